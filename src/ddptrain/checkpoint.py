@@ -1,0 +1,242 @@
+"""Checkpoints that are never half-written and always load back exactly.
+
+Rank 0 writes a temporary file next to the target, fsyncs it and renames it into place,
+so a crash leaves either the old file or the new one, never a torn one; `latest.pt` is a
+hard link to the newest complete file, swapped in the same way. Every rank passes a
+barrier after the write so none reads ahead of it.
+
+The payload is plain tensors and containers: `torch.load(path, weights_only=True)` reads
+it, and a file that would need pickled code to load is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddptrain import __version__
+from ddptrain.config import ConfigError
+from ddptrain.distributed import DistributedContext
+
+log = logging.getLogger("ddptrain")
+
+FORMAT = "ddptrain-checkpoint"
+FORMAT_VERSION = 1
+LATEST = "latest.pt"
+_NAME = re.compile(r"^step_(\d+)\.pt$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be used; the message says which file and why."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:09d}.pt"
+
+
+# ---------------------------------------------------------------------- RNG state
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's random generators, as weights-only-loadable values."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    kind, key, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, key.cpu().numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def gather_rng_states(ctx: DistributedContext) -> list[dict[str, Any]] | None:
+    """Every rank's RNG state, on rank 0 (None elsewhere)."""
+    mine = rng_state(ctx.device)
+    if not ctx.distributed:
+        return [mine]
+    cpu_mine = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in mine.items()}
+    out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(cpu_mine, out, dst=0)
+    return out
+
+
+# ---------------------------------------------------------------------- writing
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(payload: dict[str, Any], path: Path) -> None:
+    """Write `payload` to `path` so that readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def point_latest(path: Path) -> None:
+    """Make `latest.pt` a hard link to `path`, replaced atomically (no second write)."""
+    latest = path.parent / LATEST
+    tmp = path.parent / f".{LATEST}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    os.link(path, tmp)
+    os.replace(tmp, latest)
+    _fsync_dir(path.parent)
+
+
+def prune(directory: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` step checkpoints (0 keeps all)."""
+    if keep_last <= 0:
+        return
+    for old in list_checkpoints(directory)[keep_last:]:
+        old.unlink(missing_ok=True)
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Step checkpoints in `directory`, newest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def save_checkpoint(
+    directory: Path, step: int, state: dict[str, Any], ctx: DistributedContext, keep_last: int
+) -> Path:
+    """Collective: every rank calls it; rank 0 writes, then all meet at a barrier."""
+    path = directory / checkpoint_name(step)
+    if ctx.is_main:
+        payload = {"format": FORMAT, "format_version": FORMAT_VERSION, **state}
+        payload["versions"] = {
+            "ddptrain": __version__,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+        }
+        atomic_save(payload, path)
+        point_latest(path)
+        prune(directory, keep_last)
+    if ctx.distributed:
+        dist.barrier()
+    return path
+
+
+# ---------------------------------------------------------------------- reading
+def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
+    """Read a ddptrain checkpoint onto `device` (not onto GPU 0), or say why it can't be."""
+    try:
+        payload = torch.load(path, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist") from None
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+            reason = "it holds pickled Python objects, which are refused (they could run code)"
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} cannot be read: {reason}; "
+            "give a file written by ddptrain (or --resume_from auto)"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is not a ddptrain checkpoint: "
+            "give a file written by ddptrain"
+        )
+    if payload.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has format version {payload['format_version']}, newer "
+            f"than this ddptrain reads ({FORMAT_VERSION}): upgrade ddptrain"
+        )
+    return payload
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Load weights strictly, naming every missing, unexpected or mis-shaped entry."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(state))
+        if state[k].shape != own[k].shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {_few(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {_few(unexpected)}")
+    if shapes:
+        problems.append(f"shape mismatch (checkpoint vs model) {_few(shapes)}")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not fit this model: {'; '.join(problems)}; "
+            "resume with the same --model, --width and dataset it was trained with"
+        )
+    model.load_state_dict(state)
+
+
+def _few(items: list[str], n: int = 4) -> str:
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+def find_resumable(directory: Path, device: torch.device) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in `directory` that loads; corrupt ones are skipped with a
+    warning. None when there is none (a fresh start)."""
+    for path in list_checkpoints(directory):
+        try:
+            return path, load_checkpoint(path, device)
+        except CheckpointError as exc:
+            log.warning("skipping unusable checkpoint: %s", exc)
+    return None
+
+
+def export_safetensors_state(state: dict[str, torch.Tensor], out: Path) -> int:
+    """Write model weights to a safetensors file atomically; returns the tensor count."""
+    from safetensors.torch import save_file
+
+    weights = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        save_file(weights, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(weights)
+
+
+def export_safetensors(checkpoint: Path, out: Path) -> int:
+    """`ddptrain export`: the model weights of a checkpoint, for inference."""
+    payload = load_checkpoint(checkpoint, torch.device("cpu"))
+    return export_safetensors_state(payload["model_state_dict"], out)

@@ -1,0 +1,316 @@
+"""The single source of truth for every setting of a run.
+
+`TrainingConfig` is a dataclass; the `ddptrain train` flags, their defaults and their help
+text are generated from its fields, a YAML file given with `--config` fills in values under
+the command line, and `validate()` refuses bad values before any process group starts.
+
+    ddptrain train --dataset digits --epochs 3 --batch_size 32
+    ddptrain train --config run.yaml --lr 0.05      # the flag wins over the file
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, NoReturn
+
+import yaml
+
+BUILTIN_DATASETS = ("breast_cancer", "digits", "synthetic")
+BUILTIN_MODELS = ("auto", "mlp", "miniresnet")
+
+
+class ConfigError(ValueError):
+    """A setting the user chose is wrong; the message names it and says what to do."""
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainingConfig:
+    """Every parameter the pipeline reads. Nothing else is hard-coded."""
+
+    # Data and model
+    dataset: str = _f(
+        "breast_cancer",
+        "breast_cancer | digits | synthetic | path/to/data.npz (arrays x, y) | package.module:fn",
+    )
+    model: str = _f(
+        "auto", "auto (mlp for features, miniresnet for images) | mlp | miniresnet | module:fn"
+    )
+    num_classes: int | None = _f(None, "number of classes (default: from the dataset)")
+    in_channels: int | None = _f(None, "image channels (default: from the dataset)")
+    image_size: int | None = _f(None, "image side in pixels (default: from the dataset)")
+    width: int = _f(64, "MiniResNet stem channels (stages use 1x, 2x, 4x) / MLP hidden units")
+    sync_bn: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm")
+    val_fraction: float = _f(0.2, "share of the data held out for validation (fixed by --seed)")
+    synthetic_size: int = _f(50_000, "number of samples of the synthetic dataset")
+    batch_size: int = _f(64, "samples per rank per micro-step")
+    num_workers: int = _f(
+        0, "DataLoader worker processes per rank (0: in-memory batches are sliced in-process)"
+    )
+    drop_last: bool = _f(
+        False, "drop each epoch's incomplete last batch instead of training on it"
+    )
+    # Optimisation
+    epochs: int = _f(10, "number of epochs")
+    optimizer: Literal["sgd", "adamw"] = _f("sgd", "optimizer")
+    lr: float = _f(0.01, "peak learning rate")
+    momentum: float = _f(0.9, "SGD momentum")
+    weight_decay: float = _f(1e-4, "weight decay")
+    warmup_epochs: float = _f(0.0, "linear warm-up length in epochs, then cosine decay to 0")
+    scale_lr: bool = _f(
+        False, "linear scaling rule: lr x world_size x grad_accum_steps (global / per-rank batch)"
+    )
+    max_grad_norm: float | None = _f(None, "clip the global gradient norm to this value")
+    grad_accum_steps: int = _f(1, "micro-steps per optimizer step (all-reduce on the last only)")
+    # Distributed
+    backend: Literal["auto", "nccl", "gloo"] = _f("auto", "nccl with CUDA, gloo without")
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "cuda when available, else cpu")
+    timeout_s: float = _f(600.0, "process-group timeout: a rank waiting longer for a peer fails")
+    # Mixed precision
+    use_amp: bool = _f(True, "mixed precision on CUDA; on CPU only with --amp_dtype bfloat16")
+    amp_dtype: Literal["auto", "float16", "bfloat16"] = _f(
+        "auto", "autocast dtype (auto: float16 + GradScaler on CUDA, off on CPU)"
+    )
+    # Run directory and checkpoints
+    output_dir: str = _f("runs/ddptrain", "run directory: config.yaml, metrics.jsonl, checkpoints")
+    checkpoint_dir: str | None = _f(None, "checkpoint directory (default: OUTPUT_DIR/checkpoints)")
+    save_every: int = _f(1, "checkpoint every N epochs (0: only the final one)")
+    keep_last: int = _f(0, "keep only the newest K checkpoints (0: keep all)")
+    resume_from: str | None = _f(None, "checkpoint to resume from: a path, or 'auto' (newest)")
+    # Logging and profiling
+    log_interval: int = _f(10, "optimizer steps between train metric lines")
+    enable_profiling: bool = _f(False, "record a torch.profiler trace on rank 0")
+    seed: int = _f(42, "seed of weights, data split, shuffling and workers")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir)
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return Path(self.checkpoint_dir) if self.checkpoint_dir else self.run_dir / "checkpoints"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> TrainingConfig:
+        """Refuse values no run can use; each message names the field, the value, the fix."""
+        positive = ("batch_size", "epochs", "grad_accum_steps", "log_interval", "width")
+        for name in positive:
+            value = getattr(self, name)
+            if value < 1:
+                _bad(name, value, "use a whole number of at least 1")
+        for name in ("num_classes", "in_channels", "image_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                _bad(name, value, "use a whole number of at least 1, or leave it unset")
+        if self.num_classes is not None and self.num_classes < 2:
+            _bad("num_classes", self.num_classes, "a classifier needs at least 2 classes")
+        if self.synthetic_size < 2:
+            _bad("synthetic_size", self.synthetic_size, "use at least 2 samples")
+        for name in ("num_workers", "save_every", "keep_last", "weight_decay", "momentum", "warmup_epochs"):
+            value = getattr(self, name)
+            if value < 0:
+                _bad(name, value, "use a value of 0 or more")
+        if not self.lr > 0:
+            _bad("lr", self.lr, "use a positive learning rate such as 0.01")
+        if not 0 < self.val_fraction < 1:
+            _bad("val_fraction", self.val_fraction, "use a fraction between 0 and 1, e.g. 0.2")
+        if not self.timeout_s > 0:
+            _bad("timeout_s", self.timeout_s, "use a positive number of seconds")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            _bad("max_grad_norm", self.max_grad_norm, "use a positive norm, or leave it unset")
+        self._validate_dataset()
+        if not (self.model in BUILTIN_MODELS or _is_import_ref(self.model)):
+            _bad("model", self.model, f"choose one of {', '.join(BUILTIN_MODELS)} or module:fn")
+        if self.resume_from not in (None, "auto") and not Path(self.resume_from).is_file():
+            _bad("resume_from", self.resume_from, "give an existing checkpoint file, or 'auto'")
+        return self
+
+    def _validate_dataset(self) -> None:
+        ds = self.dataset
+        if ds in BUILTIN_DATASETS or _is_import_ref(ds):
+            return
+        if ds.endswith(".npz"):
+            if not Path(ds).is_file():
+                _bad("dataset", ds, "no such file; give the path of an .npz with arrays x and y")
+            return
+        _bad(
+            "dataset",
+            ds,
+            f"choose one of {', '.join(BUILTIN_DATASETS)}, a path to an .npz file, "
+            "or package.module:fn",
+        )
+
+
+def _is_import_ref(value: str) -> bool:
+    module, sep, attr = value.partition(":")
+    return bool(sep and module and attr.isidentifier())
+
+
+def _bad(name: str, value: Any, fix: str) -> NoReturn:
+    raise ConfigError(f"--{name} {value!r} is invalid: {fix}")
+
+
+# ---------------------------------------------------------------------- CLI generation
+class ErrorParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one `ddptrain: error:` line, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def _field_type(tp: Any) -> tuple[Any, bool]:
+    """Return (base type, optional?) for `X | None` / `Optional[X]` annotations."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return inner, True
+    return tp, False
+
+
+def _converter(name: str, tp: Any) -> Any:
+    base, optional = _field_type(tp)
+    if typing.get_origin(base) is Literal:
+        return str
+    if base is bool:
+        return _parse_bool
+
+    def convert(text: str) -> Any:
+        if optional and text.lower() in ("none", "null", ""):
+            return None
+        try:
+            return base(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {base.__name__}, got {text!r}"
+            ) from None
+
+    convert.__name__ = base.__name__
+    return convert
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = str(text).lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, spelled as the field (`--batch_size`, `--no-use_amp`)."""
+    parser.add_argument(
+        "--config", metavar="FILE.yaml", help="YAML file of field: value (flags override it)"
+    )
+    hints = typing.get_type_hints(TrainingConfig)
+    for f in dataclasses.fields(TrainingConfig):
+        tp = hints[f.name]
+        base, _ = _field_type(tp)
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if base is bool:
+            parser.add_argument(
+                f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default,
+                help=help_text,
+            )
+            continue
+        choices = typing.get_args(base) if typing.get_origin(base) is Literal else None
+        metavar = None if choices else base.__name__.upper()
+        parser.add_argument(
+            f"--{f.name}", type=_converter(f.name, tp), default=f.default, choices=choices,
+            metavar=metavar, help=help_text,
+        )
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Check a YAML value against the field's type, as the flag's parser would."""
+    tp = typing.get_type_hints(TrainingConfig)[name]
+    base, optional = _field_type(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{name}: null is invalid in the config file: give a value")
+    if typing.get_origin(base) is Literal:
+        choices = typing.get_args(base)
+        if value not in choices:
+            raise ConfigError(f"{name}: {value!r} in the config file is invalid: choose {choices}")
+        return value
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: {value!r} in the config file is invalid: use true or false")
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, base) or isinstance(value, bool):
+        raise ConfigError(
+            f"{name}: {value!r} in the config file is invalid: expected {base.__name__}"
+        )
+    return value
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a config file; unknown keys and wrong types are errors, not silent no-ops."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"--config {path!r} cannot be read ({exc.strerror}): check the path")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"--config {path!r} is not valid YAML{where}: fix the file") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path!r} must hold a mapping of field: value")
+    names = {f.name for f in dataclasses.fields(TrainingConfig)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(
+            f"--config {path!r} has unknown field(s) {', '.join(map(str, unknown))}: "
+            "see 'ddptrain train --help' for the field names"
+        )
+    return {key: _coerce(key, value) for key, value in data.items()}
+
+
+def build_parser(prog: str = "ddptrain train") -> argparse.ArgumentParser:
+    parser = ErrorParser(prog=prog, description="Train a model with DistributedDataParallel.")
+    add_config_arguments(parser)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> TrainingConfig:
+    """Parse flags over an optional YAML file over the dataclass defaults, then validate."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**load_yaml(known.config))
+    args = vars(parser.parse_args(argv))
+    args.pop("config")
+    return TrainingConfig(**args).validate()
+
+
+def dump_yaml(config: TrainingConfig, path: Path) -> None:
+    """Write the resolved config so the run can be repeated with `--config`."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    os.replace(tmp, path)
