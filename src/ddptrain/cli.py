@@ -115,7 +115,13 @@ def _cmd_export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _cmd_train, "export": _cmd_export}
+def _cmd_doctor(argv: list[str]) -> int:
+    from ddptrain.doctor import main as doctor_main
+
+    return doctor_main(argv)
+
+
+COMMANDS = {"train": _cmd_train, "export": _cmd_export, "doctor": _cmd_doctor}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,27 +12,16 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ddptrain.cluster import ClusterEnv, read_cluster_env
 from ddptrain.config import ConfigError, TrainingConfig
 
 log = logging.getLogger("ddptrain")
-
-
-@dataclass(frozen=True)
-class ClusterEnv:
-    """Who this process is, as told by the launcher."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    source: str  # "torchrun" or "single"
 
 
 @dataclass(frozen=True)
@@ -52,53 +41,6 @@ class DistributedContext:
     @property
     def distributed(self) -> bool:
         return self.backend is not None
-
-
-_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
-
-
-def _int_env(env: Mapping[str, str], name: str) -> int:
-    raw = env[name]
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(
-            f"you set {name}={raw!r}, which is not a whole number: unset it or launch with torchrun"
-        ) from None
-
-
-def read_cluster_env(env: Mapping[str, str] | None = None) -> ClusterEnv:
-    """Detect the launcher from the environment; refuse half-set or inconsistent identities."""
-    env = os.environ if env is None else env
-    present = [v for v in _TORCHRUN_VARS if v in env]
-    if not present:
-        return ClusterEnv(rank=0, local_rank=0, world_size=1, source="single")
-    missing = [v for v in _TORCHRUN_VARS if v not in env]
-    if missing:
-        have = ", ".join(f"{v}={env[v]}" for v in present)
-        raise ConfigError(
-            f"you set {have} but not {', '.join(missing)}: launch with torchrun, "
-            "or set all of RANK, LOCAL_RANK and WORLD_SIZE (or none for one process)"
-        )
-    rank, local_rank, world_size = (_int_env(env, v) for v in _TORCHRUN_VARS)
-    if world_size < 1:
-        raise ConfigError(f"you set WORLD_SIZE={world_size}: it must be at least 1")
-    if not 0 <= rank < world_size:
-        raise ConfigError(
-            f"you set RANK={rank} with WORLD_SIZE={world_size}: RANK must be in 0..{world_size - 1}"
-        )
-    if local_rank < 0 or local_rank > rank:
-        raise ConfigError(
-            f"you set LOCAL_RANK={local_rank} with RANK={rank}: LOCAL_RANK must be in 0..RANK"
-        )
-    if world_size > 1:
-        for var in ("MASTER_ADDR", "MASTER_PORT"):
-            if var not in env:
-                raise ConfigError(
-                    f"WORLD_SIZE={world_size} but {var} is not set: launch with torchrun, "
-                    "which sets it, or export MASTER_ADDR and MASTER_PORT"
-                )
-    return ClusterEnv(rank=rank, local_rank=local_rank, world_size=world_size, source="torchrun")
 
 
 def resolve_device(config: TrainingConfig, local_rank: int) -> torch.device:
@@ -136,6 +78,7 @@ def setup_distributed(config: TrainingConfig, cluster: ClusterEnv | None = None)
         torch.cuda.set_device(device)
     if cluster.world_size == 1:
         return DistributedContext(0, 0, 1, device, backend=None)
+    cluster.export_rendezvous()  # srun tasks: env:// needs MASTER_ADDR/PORT
     dist.init_process_group(
         backend=backend,
         rank=cluster.rank,

@@ -1,0 +1,125 @@
+"""The project's sbatch script on a real one-node Slurm cluster (munged, slurmctld, slurmd).
+
+Proves that `scripts/slurm/train_cpu.sbatch` trains through srun + torchrun + c10d, and that
+a job signalled with SIGTERM (as Slurm does before a time limit or a preemption) is
+requeued, resumes from its checkpoint and ends with the weights of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from slurm_cluster import SlurmCluster, free_port, missing_tools
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "slurm" / "train_cpu.sbatch"
+# Long enough (~57 steps an epoch on 2 ranks) to be interrupted after its first checkpoint.
+TRAIN = ["--dataset", "breast_cancer", "--epochs", "20", "--batch_size", "4",
+         "--save_every", "1", "--seed", "3", "--log_interval", "1000"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    if os.geteuid() != 0:
+        pytest.skip("a private Slurm cluster needs root (slurmd runs jobs as their user)")
+    missing = missing_tools()
+    if missing:
+        pytest.skip(f"Slurm/munge not installed ({', '.join(missing)}): run `make slurm-deps`")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _submit(slurm: SlurmCluster, out: Path, args: list[str]) -> int:
+    env = {
+        "NPROC_PER_NODE": "2",
+        "RDZV_PORT": str(free_port()),
+        "PYTHON": sys.executable,
+        "DDPTRAIN_ROOT": str(REPO),
+        "OMP_NUM_THREADS": "1",
+    }
+    return slurm.sbatch(
+        SCRIPT, [*TRAIN, "--output_dir", str(out), *args], env=env,
+        opts=[f"--output={out}.log", "--job-name=ddptrain-test"], cwd=REPO,
+    )
+
+
+def _done(slurm: SlurmCluster, job: int, out: Path, timeout: float = 120) -> dict[str, str]:
+    info = slurm.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout)
+    log = Path(f"{out}.log").read_text() if Path(f"{out}.log").exists() else ""
+    assert info["JobState"] == "COMPLETED", f"job {job}: {info}\n{log[-4000:]}"
+    return info
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted sbatch run of TRAIN."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    _done(slurm, _submit(slurm, out, []), out)
+    return out
+
+
+def test_sbatch_cpu_job_trains_on_two_ranks(slurm: SlurmCluster, reference: Path) -> None:
+    import json
+
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert summary["epochs"] == 20
+    assert (reference / "checkpoints" / "latest.pt").is_file()
+    log = Path(f"{reference}.log").read_text()
+    assert "rendezvous " + slurm.node in log  # the head node came from scontrol
+
+
+def test_sigterm_requeues_and_resumes_to_the_same_weights(
+    slurm: SlurmCluster, reference: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    job = _submit(slurm, out, [])
+    latest = out / "checkpoints" / "latest.pt"
+    deadline = time.monotonic() + 90
+    while not latest.exists():
+        assert time.monotonic() < deadline, f"no checkpoint: {slurm.job(job)}"
+        assert slurm.job(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING")
+        time.sleep(0.1)
+    # SIGTERM to the training step, as Slurm sends it ahead of the time limit
+    # (--signal=TERM@60 in the script). The script requeues the job (Restarts=1).
+    slurm.run("scancel", "--signal=TERM", f"{job}.0")
+    # Pending again. Slurm then holds a requeued
+    # batch job back for about two minutes; an administrator's "start it now" skips that.
+    deadline = time.monotonic() + 60
+    while not (slurm.job(job).get("Restarts") == "1"
+               and slurm.job(job).get("JobState") == "PENDING"):
+        state = slurm.job(job)
+        assert time.monotonic() < deadline, f"job was not requeued: {state}"
+        assert state.get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED"), (
+            Path(f"{out}.log").read_text()[-4000:]
+        )
+        time.sleep(0.2)
+    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    info = _done(slurm, job, out, timeout=90)
+    log = Path(f"{out}.log").read_text()
+    assert info.get("Restarts") == "1", log[-4000:]
+    assert "requeueing job" in log
+    assert "restart 1:" in log
+    assert "resumed from" in log, "the requeued run did not resume from a checkpoint"
+    got, want = _weights(out), _weights(reference)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
