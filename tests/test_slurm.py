@@ -7,6 +7,7 @@ requeued, resumes from its checkpoint and ends with the weights of an uninterrup
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -76,8 +77,6 @@ def reference(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def test_sbatch_cpu_job_trains_on_two_ranks(slurm: SlurmCluster, reference: Path) -> None:
-    import json
-
     summary = json.loads((reference / "summary.json").read_text())
     assert summary["world_size"] == 2
     assert summary["epochs"] == 20
@@ -123,3 +122,20 @@ def test_sigterm_requeues_and_resumes_to_the_same_weights(
     for name in want:
         assert torch.equal(got[name], want[name]), name
 
+
+
+def test_srun_tasks_without_torchrun_form_one_group(slurm: SlurmCluster, tmp_path: Path) -> None:
+    # Two tasks started by srun itself: ranks from SLURM_PROCID, MASTER_ADDR from the node
+    # list, MASTER_PORT from the job id.
+    out = tmp_path / "run"
+    script = tmp_path / "srun.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"srun {sys.executable} -m ddptrain train --epochs 1 --batch_size 32 "
+        f"--output_dir {out}\n"
+    )
+    job = slurm.sbatch(script, [], env={"OMP_NUM_THREADS": "1"},
+                       opts=["--ntasks=2", f"--output={out}.log"], cwd=tmp_path)
+    _done(slurm, job, out, timeout=90)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2
