@@ -44,3 +44,24 @@ lint: $(STAMP)
 
 clean:
 	rm -rf runs .pytest_cache
+
+# Benchmarks: ddptrain against a hand-written DDP loop, Lightning Fabric and HF Accelerate
+# (bench/run.py; writes docs/BENCHMARKS.md and docs/benchmarks.png). The competitors live
+# in their own virtual environment: they are never dependencies of ddptrain. torch is
+# pinned on every install line so that nothing replaces the tested CPU build.
+BENCH_VENV  := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed-0.1
+PIP_FLAGS   := --quiet --disable-pip-version-check
+
+.PHONY: bench bench-setup
+
+bench-setup: $(BENCH_STAMP)
+
+$(BENCH_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install $(PIP_FLAGS) torch==2.13.0 numpy
+	$(BENCH_VENV)/bin/python -m pip install $(PIP_FLAGS) torch==2.13.0 lightning accelerate -e '.[viz]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python bench/run.py --repeats 5

@@ -1,8 +1,9 @@
-"""Command line: `ddptrain train | export`.
+"""Command line: `ddptrain train | export | plot`.
 
     ddptrain train --dataset digits --epochs 3                       # one process
     torchrun --standalone --nproc_per_node=2 -m ddptrain train       # two ranks, one node
     ddptrain export runs/ddptrain/checkpoints/latest.pt model.safetensors
+    ddptrain plot runs/a runs/b -o curves.png                        # curves, overlaid
 
 A wrong setting ends the run with one line, `ddptrain: error: ...`, and exit code 2.
 """
@@ -72,7 +73,22 @@ def train(config: TrainingConfig) -> dict[str, Any] | None:
         clean = True
     finally:
         teardown_distributed(clean)
+    if ctx.is_main:
+        _write_curves(config)
     return summary if ctx.is_main else None
+
+
+def _write_curves(config: TrainingConfig) -> None:
+    """Leave `curves.png` in the run directory (rank 0), when matplotlib is installed."""
+    import logging
+
+    from ddptrain.plot import matplotlib_available, plot_runs
+
+    log = logging.getLogger("ddptrain")
+    if not matplotlib_available():
+        log.info("matplotlib is not installed: no curves.png (pip install 'ddptrain[viz]')")
+        return
+    log.info("curves %s", plot_runs([config.run_dir], config.run_dir / "curves.png"))
 
 
 def _fit(config: TrainingConfig, ctx: Any, data: Any) -> dict[str, Any]:
@@ -115,13 +131,31 @@ def _cmd_export(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_plot(argv: list[str]) -> int:
+    from ddptrain.plot import plot_runs
+
+    parser = ErrorParser(
+        prog="ddptrain plot",
+        description="Loss, accuracy, LR and throughput curves of one or more runs, overlaid.",
+    )
+    parser.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="run directory")
+    parser.add_argument(
+        "-o", "--output", type=Path, default=Path("curves.png"), help="PNG file to write"
+    )
+    args = parser.parse_args(argv)
+    print(f"wrote {plot_runs(args.run_dirs, args.output)}")
+    return 0
+
+
 def _cmd_doctor(argv: list[str]) -> int:
     from ddptrain.doctor import main as doctor_main
 
     return doctor_main(argv)
 
 
-COMMANDS = {"train": _cmd_train, "export": _cmd_export, "doctor": _cmd_doctor}
+COMMANDS = {
+    "train": _cmd_train, "export": _cmd_export, "doctor": _cmd_doctor, "plot": _cmd_plot,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

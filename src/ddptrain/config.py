@@ -90,6 +90,9 @@ class TrainingConfig:
     # Logging and profiling
     log_interval: int = _f(10, "optimizer steps between train metric lines")
     enable_profiling: bool = _f(False, "record a torch.profiler trace on rank 0")
+    tensorboard: bool = _f(
+        True, "write TensorBoard event files when the tensorboard package is installed"
+    )
     seed: int = _f(42, "seed of weights, data split, shuffling and workers")
 
     # ------------------------------------------------------------------ derived values

@@ -47,6 +47,7 @@ from ddptrain.data import (
     steps_per_epoch,
 )
 from ddptrain.distributed import DistributedContext
+from ddptrain.flops import gpu_fields
 from ddptrain.metrics import MetricSums, MetricsWriter, summarize
 from ddptrain.models import create_model, wrap_ddp
 from ddptrain.profiling import StepProfiler
@@ -148,7 +149,10 @@ class Trainer:
         torch.manual_seed(config.seed + ctx.rank)  # per-rank randomness (dropout, user aug.)
         self.resumed_from = self._resume()
         self.model = wrap_ddp(self.module, ctx)
-        self.writer = MetricsWriter(config.run_dir / "metrics.jsonl", enabled=ctx.is_main)
+        self.writer = MetricsWriter(
+            config.run_dir / "metrics.jsonl", enabled=ctx.is_main,
+            tensorboard_dir=config.run_dir / "tensorboard" if config.tensorboard else None,
+        )
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -307,6 +311,9 @@ class Trainer:
                     "step_time_s": (now - t_last) / steps,
                     "data_wait_frac": wait / (now - t_last),
                     "peak_rss_mb": peak_rss_mb(),
+                    **gpu_fields(
+                        self.module, x, interval[2] / (now - t_last), ctx, self.precision.dtype
+                    ),
                 }
                 self.writer.write(row)
                 self._log_train(row, bar)

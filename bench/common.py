@@ -1,0 +1,146 @@
+"""What every contestant shares: the workloads, the data, the model, the measuring.
+
+Each contestant is a script run under torchrun with OMP_NUM_THREADS=1. It builds the
+same dataset and the same seeded model with ddptrain's own builders, trains one untimed
+warm-up epoch and then `--timed_epochs` timed epochs with plain SGD and the same
+warm-up/cosine schedule, and rank 0 writes one JSON result (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from ddptrain.config import TrainingConfig
+from ddptrain.data import DataBundle, load_data
+from ddptrain.trainer import warmup_cosine
+
+# The two workloads: overhead-dominated (a tiny MLP, ~1 ms steps) and compute-dominated
+# (MiniResNet on 3x32x32 images). Sizes are chosen to run in seconds on one CPU thread.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "mlp": {"dataset": "breast_cancer", "batch_size": 8, "width": 64},
+    "resnet": {"dataset": "synthetic", "synthetic_size": 1280, "width": 16, "batch_size": 32},
+}
+TIMED_EPOCHS = {"mlp": 20, "resnet": 2}
+LAUNCH_ENV = "BENCH_LAUNCH_T"  # wall-clock time at which the orchestrator started torchrun
+
+
+def parse_args(
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--timed_epochs", type=int, default=None)
+    parser.add_argument("--grad_accum_steps", type=int, default=1)
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args()
+    if args.timed_epochs is None:
+        args.timed_epochs = TIMED_EPOCHS[args.workload]
+    return args
+
+
+def workload_config(name: str, **overrides: Any) -> TrainingConfig:
+    fields = {**WORKLOADS[name], "device": "cpu", "use_amp": False, "save_every": 0}
+    return TrainingConfig(**{**fields, **overrides}).validate()
+
+
+def build_data(config: TrainingConfig) -> DataBundle:
+    return load_data(config)
+
+
+def passthrough(batch: Any) -> Any:
+    """ddptrain's ArrayDataset returns whole batches from `__getitems__`."""
+    return batch
+
+
+def plain_loader(data: DataBundle, config: TrainingConfig) -> DataLoader:
+    """The loader a Fabric or Accelerate user hands over: shuffled, not yet sharded."""
+    return DataLoader(
+        data.train, batch_size=config.batch_size, shuffle=True, collate_fn=passthrough
+    )
+
+
+def schedule(
+    optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(0, total_steps))
+
+
+def sgd(model: torch.nn.Module, config: TrainingConfig) -> torch.optim.Optimizer:
+    return torch.optim.SGD(
+        model.parameters(), lr=config.lr, momentum=config.momentum,
+        weight_decay=config.weight_decay,
+    )
+
+
+@dataclass
+class StepClock:
+    """Optimizer-step timestamps: the first step's distance from the launch, and the
+    timed window (between two barriers, so it measures the slowest rank)."""
+
+    launch: float = float(os.environ.get(LAUNCH_ENV, time.time()))
+    first_step_s: float | None = None
+    steps: int = 0
+    timed_steps: int = 0
+    t0: float = 0.0
+    seconds: float = 0.0
+
+    def step(self) -> None:
+        if self.first_step_s is None:
+            self.first_step_s = time.time() - self.launch
+        self.steps += 1
+
+    def start(self) -> None:
+        barrier()
+        self.steps_at_start = self.steps
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        barrier()
+        self.seconds = time.perf_counter() - self.t0
+        self.timed_steps = self.steps - self.steps_at_start
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def report(out: Path, clock: StepClock, **extra: Any) -> None:
+    """Gather every rank's peak RSS; rank 0 writes the result file."""
+    rss = [peak_rss_mb()]
+    if dist.is_initialized():
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rss[0])
+        rss = gathered
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank != 0:
+        return
+    result = {
+        "world_size": len(rss),
+        "timed_steps": clock.timed_steps,
+        "timed_seconds": clock.seconds,
+        "step_time_s": clock.seconds / max(1, clock.timed_steps),
+        "first_step_s": clock.first_step_s,
+        "peak_rss_mb": rss,
+        **extra,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")

@@ -1,0 +1,91 @@
+"""Training curves from run directories: loss, accuracy, learning rate and throughput.
+
+    ddptrain plot runs/a runs/b -o curves.png     # several runs overlaid, one colour each
+
+Each run directory's `metrics.jsonl` is read; train rows are drawn as solid lines, the
+per-epoch validation rows as dashed lines with markers, against the optimizer step. Every
+`ddptrain train` also leaves its own `curves.png` in its run directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ddptrain.config import ConfigError
+
+# (row field, panel title, also draw the validation rows' field of the same name)
+PANELS: tuple[tuple[str, str, bool], ...] = (
+    ("loss", "loss", True),
+    ("accuracy", "accuracy", True),
+    ("lr", "learning rate", False),
+    ("samples_per_sec", "throughput (samples/s, all ranks)", False),
+)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of `run_dir/metrics.jsonl`; a line cut by a crash is skipped."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory {str(run_dir)!r} does not exist: check the path")
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(
+            f"run directory {str(run_dir)!r} has no metrics.jsonl: give a ddptrain run directory"
+        )
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _series(rows: list[dict[str, Any]], split: str, field: str) -> tuple[list[int], list[float]]:
+    picked = [r for r in rows if r.get("split") == split and isinstance(r.get(field), (int, float))]
+    return [int(r["step"]) for r in picked], [float(r[field]) for r in picked]
+
+
+def plot_runs(run_dirs: list[Path], out: Path) -> Path:
+    """Draw every run's curves into one figure of four panels and save it as `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed, none opened
+    import matplotlib.pyplot as plt
+
+    runs = [(d, read_metrics(d)) for d in run_dirs]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (run_dir, rows) in enumerate(runs):
+        colour = colours[i % len(colours)]
+        name = run_dir.resolve().name
+        for ax, (field, title, with_val) in zip(axes.flat, PANELS, strict=True):
+            steps, values = _series(rows, "train", field)
+            if steps:
+                ax.plot(steps, values, color=colour, linewidth=1.4, label=f"{name} train")
+            if with_val:
+                steps, values = _series(rows, "val", field)
+                if steps:
+                    ax.plot(
+                        steps, values, color=colour, linestyle="--", marker="o", markersize=3,
+                        label=f"{name} val",
+                    )
+            ax.set_title(title)
+    for ax in axes.flat:
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize="small")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def matplotlib_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,232 @@
+"""What a run lets you see: metric rows, TensorBoard events, profiler traces, plots, FLOPs,
+and the benchmark's all-reduce counter."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from ddptrain.cli import main
+from ddptrain.distributed import DistributedContext
+from ddptrain.flops import count_flops, gpu_fields, mfu, peak_flops
+from ddptrain.metrics import MetricsWriter
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_FIELDS = (
+    "epoch", "step", "loss", "accuracy", "lr", "samples_per_sec", "step_time_s",
+    "data_wait_frac", "peak_rss_mb",
+)
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny single-process run with profiling on (breast_cancer, 2 epochs of 8 steps)."""
+    out = tmp_path_factory.mktemp("run")
+    code = main([
+        "train", "--dataset", "breast_cancer", "--epochs", "2", "--batch_size", "57",
+        "--log_interval", "2", "--enable_profiling", "--output_dir", str(out),
+    ])
+    assert code == 0
+    return out
+
+
+def test_train_rows_have_the_documented_fields_with_plausible_values(run_dir: Path) -> None:
+    train = [r for r in _rows(run_dir) if r["split"] == "train"]
+    assert [r["step"] for r in train] == list(range(2, 17, 2))
+    for row in train:
+        assert set(TRAIN_FIELDS) <= set(row)
+        assert 0.0 <= row["data_wait_frac"] <= 1.0
+        assert row["samples_per_sec"] > 0 and row["step_time_s"] > 0
+        assert row["peak_rss_mb"] > 0 and 0.0 <= row["accuracy"] <= 1.0
+        assert "mfu" not in row and "peak_cuda_mb" not in row  # CPU: no GPU figures
+    val = [r for r in _rows(run_dir) if r["split"] == "val"]
+    assert [r["epoch"] for r in val] == [1, 2]
+
+
+def test_tensorboard_events_hold_every_logged_scalar(run_dir: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for row in _rows(run_dir):
+        for name, value in row.items():
+            if name in ("split", "step"):
+                continue
+            tag = f"{row['split']}/{name}"
+            assert tag in tags
+            logged = {e.step: e.value for e in events.Scalars(tag)}
+            assert logged[row["step"]] == pytest.approx(value, rel=1e-6)
+
+
+def test_profiler_writes_a_trace_naming_the_model_ops(run_dir: Path) -> None:
+    traces = list((run_dir / "profile").glob("*.pt.trace.json"))
+    assert len(traces) == 1
+    names = {e.get("name") for e in json.loads(traces[0].read_text())["traceEvents"]}
+    assert "aten::addmm" in names  # the MLP's linear layers
+    assert any(str(n).startswith("ProfilerStep#") for n in names)
+
+
+def test_every_run_leaves_curves_png(run_dir: Path) -> None:
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_overlays_two_runs(run_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    rows = [
+        {"split": "train", "epoch": 1, "step": s, "loss": 1 / s, "accuracy": 0.5, "lr": 0.1,
+         "samples_per_sec": 100.0 * s}
+        for s in range(1, 6)
+    ]
+    (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(run_dir), str(other), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_a_missing_run_dir_is_one_line_and_exit_2(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope"
+    assert main(["plot", str(run_dir), str(missing), "-o", str(tmp_path / "c.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ddptrain: error:") and str(missing) in err[0]
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_tensorboard_resume_hides_events_after_the_checkpoint(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tensorboard"
+    writer = MetricsWriter(tmp_path / "metrics.jsonl", enabled=True, tensorboard_dir=tb)
+    writer.start(keep_step=None, keep_epoch=None)
+    for step in (1, 2, 3, 4):
+        writer.write({"split": "train", "epoch": 1, "step": step, "loss": float(step)})
+    writer.close()
+    writer.start(keep_step=2, keep_epoch=0)  # resumed from a checkpoint at step 2
+    writer.write({"split": "train", "epoch": 1, "step": 3, "loss": 30.0})
+    writer.close()
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (1, 1.0), (2, 2.0), (3, 30.0)
+    ]
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
+
+
+def test_no_tensorboard_dir_writes_only_jsonl(tmp_path: Path) -> None:
+    writer = MetricsWriter(tmp_path / "metrics.jsonl", enabled=True, tensorboard_dir=None)
+    writer.start(keep_step=None, keep_epoch=None)
+    writer.write({"split": "train", "step": 1, "loss": 0.5})
+    writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+# ---------------------------------------------------------------------- FLOPs and MFU
+def test_count_flops_counts_forward_and_backward_without_touching_the_model() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = 5
+    flops = count_flops(model, torch.randn(batch, 8))
+    forward = 2 * batch * (8 * 16 + 16 * 4)
+    # backward: weight gradients of both layers, input gradient of the second only
+    backward = 2 * batch * (8 * 16 + 16 * 4) + 2 * batch * 16 * 4
+    assert flops == forward + backward
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_mfu_and_peak_table() -> None:
+    assert mfu(1e9, 1000.0, 2, 1e12) == pytest.approx(0.5)
+    assert peak_flops("NVIDIA H100 PCIe", half_precision=True) == 756e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", half_precision=True) == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-40GB", half_precision=False) == 19.5e12
+    assert peak_flops("Some Future GPU", half_precision=True) is None
+    cpu = DistributedContext(0, 0, 1, torch.device("cpu"))
+    assert gpu_fields(nn.Linear(2, 2), torch.zeros(1, 2), 10.0, cpu, None) == {}
+
+
+# ---------------------------------------------------------------------- bench counter
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _count_rounds(rank: int, port: int, out: str) -> None:
+    """Worker: rounds per optimizer step, ddptrain vs the seed-style loop, grad_accum 4."""
+    sys.path.insert(0, str(REPO))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from bench.allreduce import AllReduceCounter
+    from bench.loops import hand_written_epoch
+    from ddptrain.config import TrainingConfig
+    from ddptrain.data import load_data
+    from ddptrain.distributed import ClusterEnv, setup_distributed, teardown_distributed
+    from ddptrain.models import create_model
+    from ddptrain.trainer import Trainer
+
+    # 455 training samples: 228 per rank, 12 batches of 19, 3 windows of 4
+    config = TrainingConfig(
+        dataset="breast_cancer", batch_size=19, grad_accum_steps=4, epochs=1,
+        log_interval=1000, output_dir=str(Path(out).parent / "run"), save_every=0,
+    ).validate()
+    data = load_data(config)
+    ctx = setup_distributed(config, ClusterEnv(rank, rank, 2, "torchrun"))
+
+    class Steps:
+        count = 0
+
+        def step(self) -> None:
+            Steps.count += 1
+
+    trainer = Trainer(config, ctx, data)
+    counter = AllReduceCounter().attach(trainer.model)  # type: ignore[arg-type]
+    trainer.train_epoch(1, Steps())  # type: ignore[arg-type]
+    ours = counter.rounds / Steps.count
+    del trainer
+
+    module = create_model(config, data, ctx.device)
+    model = torch.nn.parallel.DistributedDataParallel(module)
+    seed_counter = AllReduceCounter().attach(model)
+    loader = torch.utils.data.DataLoader(data.train, batch_size=19, collate_fn=lambda b: b,
+                                         sampler=torch.utils.data.DistributedSampler(data.train))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    seed_steps: list[int] = []
+    hand_written_epoch(
+        model, loader, optimizer, scheduler, nn.CrossEntropyLoss(), 4, no_sync=False,
+        keep_last_window=False, on_step=lambda: seed_steps.append(1),
+    )
+    seed = seed_counter.rounds / len(seed_steps)
+    del model, optimizer
+    teardown_distributed(True)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"ddptrain": ours, "seed": seed, "steps": Steps.count}))
+
+
+@pytest.mark.slow
+def test_allreduce_counter_sees_one_round_per_step_for_ddptrain_four_for_seed_loop(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "rounds.json"
+    mp.spawn(_count_rounds, args=(_free_port(), str(out)), nprocs=2, join=True)
+    result = json.loads(out.read_text())
+    assert result["steps"] == 3
+    assert result["ddptrain"] == 1.0
+    assert result["seed"] == 4.0
