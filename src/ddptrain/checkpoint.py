@@ -141,7 +141,7 @@ def save_checkpoint(
         payload = {"format": FORMAT, "format_version": FORMAT_VERSION, **state}
         payload["versions"] = {
             "ddptrain": __version__,
-            "torch": torch.__version__,
+            "torch": str(torch.__version__),
             "python": sys.version.split()[0],
         }
         atomic_save(payload, path)

@@ -1,0 +1,213 @@
+"""The CLI end to end: bad input gives one line and exit code 2; real runs under torchrun."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli, run_torchrun, write_npz
+from safetensors.torch import load_file
+
+from ddptrain.cli import main
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("ddptrain: error: "), err
+    return err
+
+
+BAD_FLAGS = [
+    (["train", "--batch_size", "0"], "--batch_size 0 is invalid: use a whole number"),
+    (["train", "--grad_accum_steps", "0"], "--grad_accum_steps 0 is invalid"),
+    (["train", "--dataset", "cifar"], "--dataset 'cifar' is invalid: choose one of"),
+    (["train", "--nonsense"], "unrecognized arguments: --nonsense"),
+    (["train", "--backend", "nccl"], "NCCL needs CUDA devices"),
+    (["train", "--device", "cuda"], "no CUDA device is visible"),
+    (["train", "--amp_dtype", "float16"], "float16 autocast is a GPU feature"),
+    (["train", "--dataset", "nosuchmod:fn"], "cannot import 'nosuchmod'"),
+    (["train", "--dataset", "digits", "--model", "mlp", "--in_channels", "4",
+      "--model", "miniresnet"], "--in_channels 4 does not match"),
+    (["train", "--dataset", "breast_cancer", "--model", "miniresnet"], "needs images"),
+    (["train", "--batch_size", "1000"], "larger than a rank's share"),
+    (["frobnicate"], "unknown command 'frobnicate'"),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA errors need a CPU-only host")
+@pytest.mark.parametrize(("argv", "needle"), BAD_FLAGS)
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    err = _one_line_error(capsys, [*argv, "--output_dir", str(tmp_path / "run")])
+    assert needle in err
+
+
+def test_bad_yaml_and_unknown_field(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("epochs: [\n")
+    assert "is not valid YAML at line" in _one_line_error(capsys, ["train", "--config", str(bad)])
+    bad.write_text("epoch: 3\n")
+    assert "unknown field(s) epoch" in _one_line_error(capsys, ["train", "--config", str(bad)])
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"RANK": "0"}, "you set RANK=0 but not LOCAL_RANK, WORLD_SIZE"),
+        ({"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "RANK must be in 0..1"),
+        ({"RANK": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "RANK='x'"),
+        ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, "MASTER_ADDR is not set"),
+    ],
+)
+def test_bad_launcher_environment(
+    env: dict[str, str], needle: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    err = capsys.readouterr
+    rc = main(["train", "--output_dir", str(tmp_path / "run")])
+    out = err().err
+    assert rc == 2 and needle in out and len(out.strip().splitlines()) == 1, out
+
+
+def test_bad_data_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = ["--output_dir", str(tmp_path / "run")]
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"not a zip file at all")
+    err = _one_line_error(capsys, ["train", "--dataset", str(junk), *out])
+    assert "is not a readable .npz" in err
+    nox = tmp_path / "nox.npz"
+    np.savez(nox, features=np.zeros((4, 2)), y=np.zeros(4, dtype=np.int64))
+    assert "lacks array(s) x" in _one_line_error(capsys, ["train", "--dataset", str(nox), *out])
+    data = write_npz(tmp_path / "three.npz", 100, classes=3)
+    err = _one_line_error(
+        capsys, ["train", "--dataset", str(data), "--num_classes", "2", "--batch_size", "8", *out]
+    )
+    assert "labels in 0..2 but --num_classes is 2" in err
+
+
+def test_unwritable_output_dir_is_refused_and_nothing_is_damaged(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("keep me")
+    err = _one_line_error(capsys, ["train", "--output_dir", str(blocker / "run")])
+    assert "--output_dir" in err and "is not writable" in err
+    assert blocker.read_text() == "keep me"
+
+
+def test_subprocess_error_has_no_traceback(tmp_path: Path) -> None:
+    proc = run_cli(["train", "--batch_size", "-3"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "ddptrain: error: --batch_size -3 is invalid: use a whole number of at least 1"
+    )
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_help_lists_every_flag(tmp_path: Path) -> None:
+    proc = run_cli(["train", "--help"], cwd=tmp_path)
+    assert proc.returncode == 0
+    for flag in ("--batch_size", "--no-use_amp", "--amp_dtype", "--scale_lr", "--config"):
+        assert flag in proc.stdout
+
+
+# ---------------------------------------------------------------------- end to end
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_run_dir(run: Path, epochs: int) -> list[dict]:
+    rows = _metrics(run)
+    train_rows = [r for r in rows if r["split"] == "train"]
+    val_rows = [r for r in rows if r["split"] == "val"]
+    assert [r["epoch"] for r in val_rows] == list(range(1, epochs + 1))
+    for r in train_rows:
+        assert {"epoch", "step", "loss", "accuracy", "lr", "samples_per_sec"} <= r.keys()
+    steps = [r["step"] for r in train_rows]
+    assert steps == sorted(set(steps))
+    assert (run / "config.yaml").is_file() and (run / "model.safetensors").is_file()
+    latest = torch.load(run / "checkpoints" / "latest.pt", weights_only=True)
+    assert {"epoch", "model_state_dict", "optimizer_state_dict", "scaler_state_dict",
+            "scheduler_state_dict"} <= latest.keys()
+    assert latest["epoch"] == epochs
+    assert not any(k.startswith("module.") for k in latest["model_state_dict"])
+    return rows
+
+
+@pytest.mark.slow
+def test_torchrun_breast_cancer_and_digits(tmp_path: Path) -> None:
+    """The demo job, and MiniResNet on digits within the demo's 10-epoch budget."""
+    run = tmp_path / "bc"
+    proc = run_torchrun(
+        2, ["train", "--dataset", "breast_cancer", "--batch_size", "8", "--epochs", "10",
+            "--output_dir", str(run)], cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "val accuracy" in proc.stdout and "[rank 1]" not in proc.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["val_accuracy"] >= 0.95
+    _check_run_dir(run, 10)
+
+    run = tmp_path / "digits"
+    proc = run_torchrun(
+        2, ["train", "--dataset", "digits", "--model", "miniresnet", "--batch_size", "32",
+            "--lr", "0.05", "--epochs", "4", "--save_every", "0", "--output_dir", str(run)],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["val_accuracy"] >= 0.95, summary
+    _check_run_dir(run, 4)
+
+
+@pytest.mark.slow
+def test_torchrun_synthetic_npz_and_user_plugins(tmp_path: Path) -> None:
+    run = tmp_path / "syn"
+    proc = run_torchrun(
+        2, ["train", "--dataset", "synthetic", "--synthetic_size", "640", "--width", "8",
+            "--batch_size", "32", "--epochs", "2", "--output_dir", str(run)], cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_run_dir(run, 2)
+    weights = load_file(str(run / "model.safetensors"))
+    assert weights["stem.0.weight"].shape == (8, 3, 3, 3)
+
+    data = write_npz(tmp_path / "d.npz", 300)
+    run = tmp_path / "npz"
+    proc = run_torchrun(
+        2, ["train", "--dataset", str(data), "--batch_size", "16", "--epochs", "2",
+            "--output_dir", str(run)], cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_run_dir(run, 2)
+
+    run = tmp_path / "plug"
+    proc = run_torchrun(
+        2, ["train", "--dataset", "userplug:datasets", "--model", "userplug:model",
+            "--batch_size", "16", "--epochs", "2", "--output_dir", str(run)], cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_run_dir(run, 2)
+    names = set(load_file(str(run / "model.safetensors")))
+    assert names == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def test_single_process_without_torchrun(tmp_path: Path) -> None:
+    run = tmp_path / "single"
+    proc = run_cli(
+        ["train", "--epochs", "2", "--batch_size", "32", "--output_dir", str(run)], cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 1
+    _check_run_dir(run, 2)

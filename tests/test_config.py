@@ -1,0 +1,88 @@
+"""Config: the CLI generated from the dataclass, YAML under flags, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ddptrain.config import ConfigError, TrainingConfig, build_parser, parse_config
+
+
+def test_every_field_is_a_flag_with_its_default_and_help() -> None:
+    text = build_parser().format_help()
+    for f in dataclasses.fields(TrainingConfig):
+        assert f"--{f.name}" in text, f.name
+        assert f.metadata["help"].split()[0] in text
+    assert "--no-use_amp" in text and "--config FILE.yaml" in text
+    assert "(default: 64)" in text  # batch_size
+
+
+def test_seed_spellings_parse() -> None:
+    cfg = parse_config(
+        ["--batch_size", "128", "--no-use_amp", "--lr", "0.1", "--grad_accum_steps", "2",
+         "--resume_from", "auto", "--max_grad_norm", "1.5", "--amp_dtype", "bfloat16"]
+    )
+    assert (cfg.batch_size, cfg.use_amp, cfg.lr, cfg.grad_accum_steps) == (128, False, 0.1, 2)
+    assert (cfg.resume_from, cfg.max_grad_norm, cfg.amp_dtype) == ("auto", 1.5, "bfloat16")
+    assert parse_config([]) == TrainingConfig()
+
+
+def test_yaml_values_sit_under_flags(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 0.5\nepochs: 3\nuse_amp: false\nweight_decay: 0\n")
+    cfg = parse_config(["--config", str(path), "--epochs", "7"])
+    assert (cfg.lr, cfg.epochs, cfg.use_amp, cfg.weight_decay) == (0.5, 7, False, 0.0)
+
+
+def test_resolved_config_round_trips(tmp_path: Path) -> None:
+    from ddptrain.config import dump_yaml
+
+    cfg = parse_config(["--dataset", "digits", "--lr", "0.2", "--max_grad_norm", "2"])
+    dump_yaml(cfg, tmp_path / "config.yaml")
+    assert parse_config(["--config", str(tmp_path / "config.yaml")]) == cfg
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "needle"),
+    [
+        ("lr: [1, 2\n", "not valid YAML"),
+        ("lrr: 0.1\n", "unknown field(s) lrr"),
+        ("epochs: ten\n", "epochs: 'ten'"),
+        ("use_amp: 3\n", "use_amp"),
+        ("- 1\n- 2\n", "mapping"),
+        ("backend: mpi\n", "backend"),
+    ],
+)
+def test_bad_yaml_is_refused(tmp_path: Path, yaml_text: str, needle: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=None) as err:
+        parse_config(["--config", str(path)])
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--batch_size", "0"], "--batch_size 0 is invalid"),
+        (["--grad_accum_steps", "0"], "--grad_accum_steps 0 is invalid"),
+        (["--epochs", "-1"], "--epochs -1 is invalid"),
+        (["--lr", "0"], "--lr 0.0 is invalid"),
+        (["--val_fraction", "1.5"], "--val_fraction 1.5 is invalid"),
+        (["--dataset", "imagenet"], "--dataset 'imagenet' is invalid"),
+        (["--dataset", "missing.npz"], "no such file"),
+        (["--model", "resnet50"], "--model 'resnet50' is invalid"),
+        (["--num_classes", "1"], "at least 2 classes"),
+        (["--resume_from", "nope.pt"], "--resume_from 'nope.pt' is invalid"),
+        (["--batch_sise", "3"], "unrecognized arguments: --batch_sise"),
+        (["--batch_size", "many"], "expected int, got 'many'"),
+        (["--backend", "mpi"], "invalid choice: 'mpi'"),
+        (["--max_grad_norm", "-1"], "--max_grad_norm -1.0 is invalid"),
+    ],
+)
+def test_bad_values_name_field_value_and_fix(argv: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(argv)
+    assert needle in str(err.value)

@@ -1,0 +1,82 @@
+"""Functions that run on each spawned rank (see dist_utils.run_ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from ddptrain.cli import train
+from ddptrain.config import TrainingConfig
+from ddptrain.data import load_data, make_train_loader
+from ddptrain.distributed import setup_distributed, teardown_distributed
+from ddptrain.trainer import Trainer
+
+
+def run_training(rank: int, overrides: dict[str, Any]) -> dict[str, Any] | None:
+    """The normal `ddptrain train` path on this rank."""
+    return train(TrainingConfig(**overrides).validate())
+
+
+def _with_trainer(overrides: dict[str, Any], body: Any) -> Any:
+    config = TrainingConfig(**overrides).validate()
+    ctx = setup_distributed(config)
+    clean = False
+    try:
+        trainer = Trainer(config, ctx, load_data(config))
+        result = body(trainer)
+        del trainer
+        clean = True
+    finally:
+        teardown_distributed(clean)
+    return result
+
+
+def count_allreduces(rank: int, overrides: dict[str, Any]) -> dict[str, int]:
+    """Gradient all-reduce calls during ddptrain's fit, and during a seed-style loop that
+    calls backward K times without no_sync (the counter must see those too)."""
+
+    def body(trainer: Trainer) -> dict[str, int]:
+        calls = [0]
+
+        # No annotations: DDP checks them against dist.GradBucket at registration.
+        def counting_hook(state, bucket):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            return allreduce_hook(state, bucket)
+
+        trainer.model.register_comm_hook(None, counting_hook)
+        trainer.fit()
+        ours, steps = calls[0], trainer.progress.step
+        # Seed-style accumulation: every micro-step's backward all-reduces.
+        calls[0] = 0
+        k = trainer.config.grad_accum_steps
+        x, y = next(iter(trainer.train_loader))
+        for _ in range(k):
+            loss = trainer.criterion(trainer.model(x), y) / k
+            loss.backward()
+        return {"calls": ours, "steps": steps, "seed_style_calls": calls[0]}
+
+    return _with_trainer(overrides, body)
+
+
+def epoch_indices(rank: int, overrides: dict[str, Any], n: int) -> dict[int, list[int]]:
+    """Sample ids (feature 0 x n) this rank's train loader yields in epochs 1..3."""
+
+    def body(trainer: Trainer) -> dict[int, list[int]]:
+        loader, sampler = make_train_loader(trainer.data.train, trainer.config, trainer.ctx)
+        seen: dict[int, list[int]] = {}
+        for epoch in (1, 2, 3):
+            sampler.set_epoch(epoch)
+            ids: list[int] = []
+            for x, _ in loader:
+                ids += torch.round(x[:, 0] * n).long().tolist()
+            seen[epoch] = ids
+        return seen
+
+    return _with_trainer(overrides, body)
+
+
+def evaluate_fresh(rank: int, overrides: dict[str, Any]) -> dict[str, float]:
+    """Validation metrics of the freshly initialised model (same weights on any world size)."""
+    return _with_trainer(overrides, lambda trainer: trainer.evaluate())
