@@ -79,7 +79,7 @@ else
     # addresses of the host; NODE_RANK says it for sure.
     is_host=$([[ "$NODE_RANK" -eq 0 ]] && echo 1 || echo 0)
     args+=(
-        --nnodes="$NNODES" --node_rank="$NODE_RANK"
+        --nnodes="$NNODES"
         --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"
         --rdzv_id="$RDZV_ID" --rdzv_conf="is_host=$is_host"
     )

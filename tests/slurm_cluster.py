@@ -160,7 +160,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire=5
 StateSaveLocation={self.root / 'state'}
 SlurmdSpoolDir={self.root / 'spool'}
 SlurmctldPidFile={self.pidfiles['slurmctld']}
@@ -174,6 +174,7 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2

@@ -99,18 +99,16 @@ def test_sigterm_requeues_and_resumes_to_the_same_weights(
     # SIGTERM to the training step, as Slurm sends it ahead of the time limit
     # (--signal=TERM@60 in the script). The script requeues the job (Restarts=1).
     slurm.run("scancel", "--signal=TERM", f"{job}.0")
-    # Pending again. Slurm then holds a requeued
-    # batch job back for about two minutes; an administrator's "start it now" skips that.
+    # Slurm holds a requeued batch job back until the first run's credential has expired
+    # (cred_expire, 5 s on this test cluster; 120 s by default), then runs it again.
     deadline = time.monotonic() + 60
-    while not (slurm.job(job).get("Restarts") == "1"
-               and slurm.job(job).get("JobState") == "PENDING"):
+    while slurm.job(job).get("Restarts") != "1":
         state = slurm.job(job)
         assert time.monotonic() < deadline, f"job was not requeued: {state}"
-        assert state.get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED"), (
-            Path(f"{out}.log").read_text()[-4000:]
+        assert state.get("JobState") in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING"), (
+            f"{state}\n" + Path(f"{out}.log").read_text()[-4000:]
         )
-        time.sleep(0.2)
-    slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+        time.sleep(0.3)
     info = _done(slurm, job, out, timeout=90)
     log = Path(f"{out}.log").read_text()
     assert info.get("Restarts") == "1", log[-4000:]
