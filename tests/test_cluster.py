@@ -39,7 +39,7 @@ def test_torchrun_identity() -> None:
 def test_torchrun_inside_a_slurm_job_wins() -> None:
     # sbatch -> srun -> torchrun: the worker sees both; SLURM_* describe the torchrun agent.
     env = read_cluster_env({**SRUN, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2",
-                            **TORCHRUN})
+                            **TORCHRUN, "TORCHELASTIC_RUN_ID": "4242"})
     assert (env.rank, env.world_size, env.source) == (3, 4, "torchrun")
 
 
@@ -57,6 +57,15 @@ def test_torchrun_inside_a_slurm_job_wins() -> None:
 def test_torchrun_misconfiguration_says_what_to_do(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(".", r"\.")):
         read_cluster_env(env)
+
+
+def test_hand_set_world_size_in_an_srun_task_is_refused() -> None:
+    with pytest.raises(ConfigError) as err:
+        read_cluster_env({**SRUN, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8",
+                          "MASTER_ADDR": "gpu07", "MASTER_PORT": "29500"})
+    message = str(err.value)
+    assert "you set WORLD_SIZE=8" in message and "SLURM_STEP_NUM_TASKS=4" in message
+    assert "unset RANK, LOCAL_RANK and WORLD_SIZE" in message
 
 
 def test_srun_task_without_torchrun() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -124,16 +125,20 @@ def test_sigterm_requeues_and_resumes_to_the_same_weights(
 
 def test_srun_tasks_without_torchrun_form_one_group(slurm: SlurmCluster, tmp_path: Path) -> None:
     # Two tasks started by srun itself: ranks from SLURM_PROCID, MASTER_ADDR from the node
-    # list, MASTER_PORT from the job id.
-    out = tmp_path / "run"
+    # list, MASTER_PORT from the job id. The doctor runs the same set-up as training.
     script = tmp_path / "srun.sbatch"
     script.write_text(
-        "#!/bin/bash\n"
-        f"srun {sys.executable} -m ddptrain train --epochs 1 --batch_size 32 "
-        f"--output_dir {out}\n"
+        f"#!/bin/bash\nsrun {sys.executable} -m ddptrain doctor --sizes 4K --timeout_s 30\n"
     )
+    out = tmp_path / "doctor"
     job = slurm.sbatch(script, [], env={"OMP_NUM_THREADS": "1"},
                        opts=["--ntasks=2", f"--output={out}.log"], cwd=tmp_path)
     _done(slurm, job, out, timeout=90)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["world_size"] == 2
+    report = Path(f"{out}.log").read_text()
+    port = 15000 + job % 15000
+    assert f"launcher   slurm: world size 2, MASTER_ADDR={slurm.node} MASTER_PORT={port}" in (
+        report
+    ), report
+    assert "ranks      2 on 1 host(s)" in report
+    assert re.search(r"rank +1 +local +1 ", report), report
+    assert "ok: all 2 ranks reached each other" in report

@@ -89,6 +89,15 @@ def _from_torchrun(env: Mapping[str, str]) -> ClusterEnv:
         raise ConfigError(
             f"you set LOCAL_RANK={local_rank} with RANK={rank}: LOCAL_RANK must be in 0..RANK"
         )
+    step_tasks = env.get("SLURM_STEP_NUM_TASKS")
+    if "TORCHELASTIC_RUN_ID" not in env and step_tasks and step_tasks != str(world_size):
+        # RANK/WORLD_SIZE exported by hand (or inherited) in a task that srun started:
+        # every task would claim the same identity, and the group would never form.
+        raise ConfigError(
+            f"you set WORLD_SIZE={world_size}, but Slurm started this process as one of "
+            f"SLURM_STEP_NUM_TASKS={step_tasks} tasks: unset RANK, LOCAL_RANK and WORLD_SIZE "
+            "(each srun task then takes its rank from Slurm), or start the ranks with torchrun"
+        )
     if world_size > 1:
         for var in ("MASTER_ADDR", "MASTER_PORT"):
             if var not in env:

@@ -283,11 +283,12 @@ def _run_group(
             ctx = setup_distributed(config, cluster)
             gathered: list[Any] = [None] * cluster.world_size
             dist.all_gather_object(gathered, asdict(me))
-        except (RuntimeError, TimeoutError, OSError) as exc:
+            startup = time.perf_counter() - t0
+            # A peer that dies mid-test fails the collectives here, after the timeout.
+            rows = _time_all_reduce(sizes, args.warmup, args.iters, ctx.device, ctx.world_size)
+        except (ConfigError, RuntimeError, TimeoutError, OSError) as exc:
             _unreachable(cluster, args.timeout_s, time.perf_counter() - t0, exc)
             return EXIT_UNREACHABLE
-        startup = time.perf_counter() - t0
-        rows = _time_all_reduce(sizes, args.warmup, args.iters, ctx.device, ctx.world_size)
         clean = True
     finally:
         with contextlib.suppress(Exception):
@@ -315,13 +316,19 @@ def _run_group(
 
 
 def _unreachable(cluster: ClusterEnv, timeout: float, waited: float, exc: BaseException) -> None:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = str(exc).strip()
+    first = (text.splitlines()[0] if text else type(exc).__name__).rstrip(".")
+    if isinstance(exc, ConfigError):
+        advice = first  # setup_distributed already says what happened and what to do
+    else:
+        advice = (
+            f"{first[:300]}; check that every rank was started, that MASTER_ADDR is "
+            "reachable from every node, that the ports are open, and "
+            "GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME"
+        )
     print(
         f"[rank {cluster.rank}] ddptrain doctor: error: not all {cluster.world_size} ranks "
         f"were reachable within --timeout_s {timeout:g} (gave up after {waited:.1f}s, "
-        f"MASTER_ADDR={cluster.master_addr}, MASTER_PORT={cluster.master_port}): {first[:300]}. "
-        "Check that every rank was started, that MASTER_ADDR is reachable from every node, "
-        "that the ports are open, and GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME",
+        f"MASTER_ADDR={cluster.master_addr}, MASTER_PORT={cluster.master_port}): {advice}",
         file=sys.stderr, flush=True,
     )
-
