@@ -44,6 +44,9 @@ def parse_args(
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timed_epochs", type=int, default=None)
     parser.add_argument("--grad_accum_steps", type=int, default=1)
+    # Off for the timed runs: the counting hook replaces DDP's built-in C++ all-reduce
+    # with a Python one, which Fabric and Accelerate would not pay.
+    parser.add_argument("--count_allreduce", action="store_true")
     if extra is not None:
         extra(parser)
     args = parser.parse_args()

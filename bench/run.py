@@ -48,9 +48,13 @@ def launch(
     ]
     if contestant == "ddptrain":
         cmd += ["--run_dir", str(out_dir / f"{tag}-run")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", LAUNCH_ENV: repr(time.time())}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    for _attempt in range(2):  # one retry: a port clash or a stray signal is not a result
+        env[LAUNCH_ENV] = repr(time.time())
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode == 0 and out.exists():
+            break
     row: dict[str, Any] = {"contestant": contestant, "workload": workload, "nproc": nproc}
     if proc.returncode != 0 or not out.exists():
         (out_dir / f"{tag}.log").write_text(proc.stdout + proc.stderr)
@@ -78,7 +82,7 @@ def run_suite(repeats: int, out_dir: Path, contestants: list[str]) -> dict[str, 
             rows.append({**launch("ddptrain", workload, 1, out_dir, f"{workload}-ddptrain1-{r}"),
                          "repeat": r})
     print("all-reduce rounds with --grad_accum_steps 4", flush=True)
-    accum = ("--grad_accum_steps", "4", "--timed_epochs", "1")
+    accum = ("--grad_accum_steps", "4", "--timed_epochs", "1", "--count_allreduce")
     rounds = {
         "ddptrain": launch("ddptrain", "mlp", 2, out_dir, "rounds-ddptrain", *accum),
         "seed_loop": launch("raw", "mlp", 2, out_dir, "rounds-seed", *accum, "--seed_style"),

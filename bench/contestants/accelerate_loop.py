@@ -9,6 +9,7 @@ Accelerate shards the plain loader itself (`prepare`) and handles accumulation w
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -28,11 +29,20 @@ from bench.common import (
     sgd,
     workload_config,
 )
+from ddptrain.distributed import teardown_distributed
 from ddptrain.models import create_model
 
 
 def main() -> None:
-    args = parse_args()
+    try:
+        run(parse_args())
+    finally:
+        # Models and loaders died with run()'s frame; destroying the group while a DDP
+        # reducer lived could abort gloo at exit.
+        teardown_distributed(clean=True)
+
+
+def run(args: argparse.Namespace) -> None:
     clock = StepClock()
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum_steps)
     config = workload_config(args.workload, grad_accum_steps=args.grad_accum_steps)
@@ -69,7 +79,6 @@ def main() -> None:
                 clock.step()
     clock.stop()
     report(args.out, clock)
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -63,15 +63,16 @@ def main() -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
     ctx = setup_distributed(config, cluster)
     try:
-        extra = run(config, ctx, data, args.timed_epochs, clock)
+        extra = run(config, ctx, data, args.count_allreduce, clock)
         report(args.out, clock, **extra)
     finally:
         teardown_distributed(True)
 
 
-def run(config, ctx, data, timed_epochs: int, clock: StepClock) -> dict:  # type: ignore[no-untyped-def]
+def run(config, ctx, data, count_allreduce: bool, clock: StepClock) -> dict:  # type: ignore[no-untyped-def]
     trainer = Trainer(config, ctx, data)
-    counter = AllReduceCounter().attach(trainer.model) if ctx.distributed else None
+    counting = count_allreduce and ctx.distributed
+    counter = AllReduceCounter().attach(trainer.model) if counting else None  # type: ignore[arg-type]
     trainer.writer.start(keep_step=None, keep_epoch=None)
     hook = ClockHook(clock)
     for epoch in range(1, config.epochs + 1):

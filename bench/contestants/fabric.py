@@ -9,6 +9,7 @@ all-reduce of non-final micro-batches with `no_backward_sync`, as its docs show.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -29,11 +30,20 @@ from bench.common import (
     sgd,
     workload_config,
 )
+from ddptrain.distributed import teardown_distributed
 from ddptrain.models import create_model
 
 
 def main() -> None:
-    args = parse_args()
+    try:
+        run(parse_args())
+    finally:
+        # Models and loaders died with run()'s frame; destroying the group while a DDP
+        # reducer lived could abort gloo at exit.
+        teardown_distributed(clean=True)
+
+
+def run(args: argparse.Namespace) -> None:
     clock = StepClock()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     fabric = Fabric(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto")

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -33,22 +34,33 @@ from bench.common import (
     workload_config,
 )
 from bench.loops import hand_written_epoch
+from ddptrain.distributed import teardown_distributed
 from ddptrain.models import create_model
 
 
 def main() -> None:
     args = parse_args(lambda p: p.add_argument("--seed_style", action="store_true"))
-    clock = StepClock()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")
+    try:
+        run(args, world)
+    finally:
+        # The DDP model died with run()'s frame; destroying the group while its reducer
+        # lived could abort gloo at exit.
+        teardown_distributed(clean=True)
+
+
+def run(args: argparse.Namespace, world: int) -> None:
+    clock = StepClock()
     rank = dist.get_rank() if world > 1 else 0
     config = workload_config(args.workload, grad_accum_steps=args.grad_accum_steps)
     data = build_data(config)
     torch.manual_seed(config.seed)
     module = create_model(config, data, torch.device("cpu"))
     model: nn.Module = DDP(module, gradient_as_bucket_view=True) if world > 1 else module
-    counter = AllReduceCounter().attach(model) if isinstance(model, DDP) else None
+    counting = args.count_allreduce and isinstance(model, DDP)
+    counter = AllReduceCounter().attach(model) if counting else None  # type: ignore[arg-type]
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, seed=config.seed)
     loader = DataLoader(
         data.train, batch_size=config.batch_size, sampler=sampler, collate_fn=passthrough
@@ -70,8 +82,6 @@ def main() -> None:
     clock.stop()
     rounds = counter.rounds / clock.steps if counter is not None else None
     report(args.out, clock, allreduce_rounds_per_step=rounds)
-    if world > 1:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
