@@ -52,8 +52,8 @@ fi
 # `scancel --signal=TERM JOB.0`) is noted by step.sh in this file; one to the batch shell
 # as well (`scancel --signal=TERM --full JOB`) by the trap below. The trap must not pass it
 # on to srun: srun answers SIGTERM by killing the step at once, checkpoint or not.
-marker="${TMPDIR:-/tmp}/ddptrain-preempted.$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"
-rm -f "$marker"
+# Unique per run: job ids repeat across clusters that share a /tmp.
+marker="$(mktemp -u "${TMPDIR:-/tmp}/ddptrain-preempted.$SLURM_JOB_ID.XXXXXXXX")"
 trap 'touch "$marker"' TERM
 
 echo "ddptrain slurm: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}:" \
