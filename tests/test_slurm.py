@@ -22,9 +22,10 @@ from slurm_cluster import SlurmCluster, free_port, missing_tools
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "slurm" / "train_cpu.sbatch"
-# Long enough (~57 steps an epoch on 2 ranks) to be interrupted after its first checkpoint.
+# Long enough (~57 steps an epoch on 2 ranks) to be interrupted after its first checkpoint;
+# frequent metric points let a SIGTERM stop the run mid-epoch, the hardest resume.
 TRAIN = ["--dataset", "breast_cancer", "--epochs", "20", "--batch_size", "4",
-         "--save_every", "1", "--seed", "3", "--log_interval", "1000"]
+         "--save_every", "1", "--seed", "3", "--log_interval", "5"]
 
 pytestmark = pytest.mark.slow
 
