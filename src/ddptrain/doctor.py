@@ -248,7 +248,8 @@ def main(argv: list[str]) -> int:
         f"torch      {torch.__version__}",
         f"backends   {_backends()}",
         f"devices    {_devices()}",
-        f"launcher   {cluster.source}: world size {cluster.world_size}, {where}",
+        f"launcher   {cluster.source}: world size {cluster.world_size}, {where}"
+        + _slurm_note(os.environ),
         f"interface  {iface.name or 'unknown'} ({iface.address or 'no address'}), {iface.why}",
     ]
     warning = _loopback_warning(cluster, os.environ)
@@ -259,6 +260,14 @@ def main(argv: list[str]) -> int:
                 "all-reduce skipped: world size 1 (launch with torchrun or srun for more ranks)"])
         return 0
     return _run_group(args, config, cluster, me, header, sizes)
+
+
+def _slurm_note(env: Any) -> str:
+    """The Slurm job around this process, if any (torchrun inside sbatch shows here)."""
+    if "SLURM_JOB_ID" not in env:
+        return ""
+    nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "?"
+    return f" (Slurm job {env['SLURM_JOB_ID']} on {nodes})"
 
 
 def _identity_line(who: Identity) -> str:
