@@ -94,7 +94,8 @@ def test_two_hosts_train_like_one_node_with_two_ranks(hosts: TwoHosts, tmp_path:
                           tmp_path)
     for node, res in enumerate(nodes):
         assert res.returncode == 0, f"node {node}:\n{res.stdout[-4000:]}"
-    # Rank 0 (it writes the run directory) is the node at MASTER_ADDR.
+    # c10d numbers nodes in the order of their addresses: 10.77.0.1 holds rank 0, which
+    # alone writes the run directory.
     two = tmp_path / "node0"
     assert json.loads((two / "summary.json").read_text())["world_size"] == 2
     assert not (tmp_path / "node1" / "model.safetensors").exists()
