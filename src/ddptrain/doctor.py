@@ -24,7 +24,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -85,7 +85,7 @@ def route_source(dest: str) -> str | None:
         return None
 
 
-def choose_interface(env: dict[str, str] | os._Environ[str], master_addr: str | None) -> Interface:
+def choose_interface(env: Mapping[str, str], master_addr: str | None) -> Interface:
     """The interface the ranks' traffic leaves through: the one the backend is told to use,
     else the one that routes to MASTER_ADDR."""
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -102,7 +102,7 @@ def choose_interface(env: dict[str, str] | os._Environ[str], master_addr: str | 
     return Interface(name, source, f"routes to MASTER_ADDR={master_addr}")
 
 
-def _loopback_warning(cluster: ClusterEnv, env: Any) -> str | None:
+def _loopback_warning(cluster: ClusterEnv, env: Mapping[str, str]) -> str | None:
     """gloo without GLOO_SOCKET_IFNAME binds to the address of the host name; when that is
     loopback, ranks on other hosts can never connect."""
     local_world = int(env.get("LOCAL_WORLD_SIZE", cluster.world_size))
@@ -262,7 +262,7 @@ def main(argv: list[str]) -> int:
     return _run_group(args, config, cluster, me, header, sizes)
 
 
-def _slurm_note(env: Any) -> str:
+def _slurm_note(env: Mapping[str, str]) -> str:
     """The Slurm job around this process, if any (torchrun inside sbatch shows here)."""
     if "SLURM_JOB_ID" not in env:
         return ""
