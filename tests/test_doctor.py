@@ -107,3 +107,19 @@ def test_bad_flag_is_one_line_exit_2(tmp_path: Path) -> None:
     res = doctor(["--sizes", "big"], tmp_path)
     assert res.returncode == 2
     assert res.stderr.strip().startswith("ddptrain: error: --sizes 'big' is invalid")
+
+
+def test_loopback_host_name_warning_on_multi_node_gloo() -> None:
+    from ddptrain.cluster import ClusterEnv
+    from ddptrain.doctor import _loopback_warning
+
+    two_nodes = ClusterEnv(0, 0, 4, "torchrun", "10.0.0.1", 29500)
+    env = {"LOCAL_WORLD_SIZE": "2"}
+    loopback = socket.gethostbyname(socket.gethostname()).startswith("127.")
+    warning = _loopback_warning(two_nodes, env)
+    assert (warning is not None) == loopback
+    if warning:
+        assert "GLOO_SOCKET_IFNAME" in warning
+    # Told which interface, or all ranks on one node: nothing to warn about.
+    assert _loopback_warning(two_nodes, {**env, "GLOO_SOCKET_IFNAME": "eth0"}) is None
+    assert _loopback_warning(two_nodes, {"LOCAL_WORLD_SIZE": "4"}) is None

@@ -50,3 +50,16 @@ def test_mistakes_stop_with_one_message(env: dict[str, str], needle: str, tmp_pa
     assert res.returncode == 2
     assert res.stderr.startswith("launch.sh: error:") and needle in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["train.sbatch", "train_cpu.sbatch"])
+def test_sbatch_scripts_requeue_on_a_term_signal_to_the_steps(name: str) -> None:
+    script = LAUNCH.parent / "slurm" / name
+    headers = [line.split(None, 1)[1].strip() for line in script.read_text().splitlines()
+               if line.startswith("#SBATCH")]
+    assert "--requeue" in headers
+    # Without "B:" the signal goes to the job steps (torchrun and its workers).
+    assert any(h.startswith("--signal=TERM@") for h in headers), headers
+    assert "--ntasks-per-node=1" in headers  # one torchrun per node
+    for path in (script, LAUNCH.parent / "slurm" / "run.sh", LAUNCH.parent / "slurm" / "step.sh"):
+        assert subprocess.run(["bash", "-n", str(path)]).returncode == 0, path
