@@ -160,7 +160,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.munge_socket},cred_expire=5
+AuthInfo=socket={self.munge_socket},cred_expire=10
 StateSaveLocation={self.root / 'state'}
 SlurmdSpoolDir={self.root / 'spool'}
 SlurmctldPidFile={self.pidfiles['slurmctld']}

@@ -102,7 +102,7 @@ def test_sigterm_requeues_and_resumes_to_the_same_weights(
     # (--signal=TERM@60 in the script). The script requeues the job (Restarts=1).
     slurm.run("scancel", "--signal=TERM", f"{job}.0")
     # Slurm holds a requeued batch job back until the first run's credential has expired
-    # (cred_expire, 5 s on this test cluster; 120 s by default), then runs it again.
+    # (cred_expire, 10 s on this test cluster; 120 s by default), then runs it again.
     deadline = time.monotonic() + 60
     while slurm.job(job).get("Restarts") != "1":
         state = slurm.job(job)
