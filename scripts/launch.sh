@@ -63,11 +63,17 @@ if [[ "$NNODES" -eq 1 ]]; then
     args+=(--standalone --nnodes=1)
 else
     MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
-    case "$MASTER_ADDR" in
-        127.*|localhost|::1)
-            die "NNODES=$NNODES but MASTER_ADDR=$MASTER_ADDR, a loopback address: each node" \
-                "would wait for the others on itself. Set MASTER_ADDR to node 0's address" \
-                "that every node can reach (e.g. MASTER_ADDR=10.0.0.1), or use NNODES=1" ;;
+    # A name that resolves to loopback (many /etc/hosts map the host's own name there) is
+    # as unreachable from the other nodes as 127.0.0.1 itself.
+    resolved="$(getent ahostsv4 "$MASTER_ADDR" 2>/dev/null | awk 'NR == 1 { print $1 }' || true)"
+    shown="$MASTER_ADDR"
+    [[ -n "$resolved" && "$resolved" != "$MASTER_ADDR" ]] && shown="$MASTER_ADDR ($resolved)"
+    case "$MASTER_ADDR|$resolved" in
+        127.*|localhost*|::1*|*"|127."*)
+            die "NNODES=$NNODES but MASTER_ADDR=$shown, a" \
+                "loopback address: each node would wait for the others on itself. Set" \
+                "MASTER_ADDR to node 0's address that every node can reach" \
+                "(e.g. MASTER_ADDR=10.0.0.1), or use NNODES=1" ;;
     esac
     [[ -n "${NODE_RANK:-}" ]] ||
         die "NNODES=$NNODES needs NODE_RANK: 0 on the node at MASTER_ADDR=$MASTER_ADDR," \

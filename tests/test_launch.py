@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,7 @@ def test_default_is_one_node_standalone(tmp_path: Path) -> None:
     [
         ({"NNODES": "2", "NODE_RANK": "0"}, "MASTER_ADDR=127.0.0.1, a loopback address"),
         ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "localhost"}, "loopback"),
+        ({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.1.2.3"}, "loopback"),
         ({"NNODES": "2", "MASTER_ADDR": "10.0.0.1"}, "NNODES=2 needs NODE_RANK"),
         ({"NNODES": "2", "MASTER_ADDR": "10.0.0.1", "NODE_RANK": "2"}, "NODE_RANK=2: use 0..1"),
         ({"NNODES": "two"}, "NNODES=two is not a whole number"),
@@ -63,3 +65,15 @@ def test_sbatch_scripts_requeue_on_a_term_signal_to_the_steps(name: str) -> None
     assert "--ntasks-per-node=1" in headers  # one torchrun per node
     for path in (script, LAUNCH.parent / "slurm" / "run.sh", LAUNCH.parent / "slurm" / "step.sh"):
         assert subprocess.run(["bash", "-n", str(path)]).returncode == 0, path
+
+
+def test_a_host_name_that_resolves_to_loopback_is_refused(tmp_path: Path) -> None:
+    host = socket.gethostname()
+    try:
+        loopback = socket.gethostbyname(host).startswith("127.")
+    except OSError:
+        pytest.skip(f"host name {host!r} does not resolve")
+    if not loopback:
+        pytest.skip(f"host name {host!r} does not resolve to a loopback address here")
+    res = launch(["--epochs", "1"], tmp_path, NNODES="2", NODE_RANK="0", MASTER_ADDR=host)
+    assert res.returncode == 2 and f"MASTER_ADDR={host} (127." in res.stderr, res.stderr
