@@ -70,6 +70,7 @@ def run_suite(repeats: int, out_dir: Path, contestants: list[str]) -> dict[str, 
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     started = time.time()
+    load_at_start = os.getloadavg()[0]
     for workload in WORKLOADS:
         for r in range(repeats):
             print(f"{workload}: repeat {r + 1}/{repeats}", flush=True)
@@ -89,7 +90,8 @@ def run_suite(repeats: int, out_dir: Path, contestants: list[str]) -> dict[str, 
     }
     return {
         "rows": rows, "rounds": rounds, "repeats": repeats,
-        "suite_seconds": time.time() - started, "machine": machine(),
+        "suite_seconds": time.time() - started,
+        "machine": {**machine(), "load_1min": [load_at_start, os.getloadavg()[0]]},
     }
 
 

@@ -90,9 +90,6 @@ def run(config, ctx, data, count_allreduce: bool, clock: StepClock) -> dict:  # 
     latest = config.ckpt_dir / "latest.pt"
     del trainer  # the DDP reducer holds the process group; drop it before the next build
     resumed = dataclasses.replace(config, resume_from=str(latest), tensorboard=False)
-    # The checkpoint's "versions" entry holds torch.__version__, a TorchVersion object that
-    # weights-only loading refuses; allow that one type so the resume can be timed.
-    torch.serialization.add_safe_globals([torch.torch_version.TorchVersion])
     if dist.is_initialized():
         dist.barrier()
     t0 = time.perf_counter()
