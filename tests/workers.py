@@ -80,3 +80,14 @@ def epoch_indices(rank: int, overrides: dict[str, Any], n: int) -> dict[int, lis
 def evaluate_fresh(rank: int, overrides: dict[str, Any]) -> dict[str, float]:
     """Validation metrics of the freshly initialised model (same weights on any world size)."""
     return _with_trainer(overrides, lambda trainer: trainer.evaluate())
+
+
+def train_and_report(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Fit, then return this rank's own weights and skipped-step count."""
+
+    def body(trainer: Trainer) -> dict[str, Any]:
+        trainer.fit()
+        weights = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
+        return {"weights": weights, "bad_steps": trainer.progress.bad_steps}
+
+    return _with_trainer(overrides, body)

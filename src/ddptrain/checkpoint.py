@@ -91,8 +91,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_save(payload: dict[str, Any], path: Path) -> None:
-    """Write `payload` to `path` so that readers see the old file or the whole new one."""
+def atomic_save(payload: dict[str, Any], path: Path, link: Path | None = None) -> None:
+    """Write `payload` to `path` so that readers see the old file or the whole new one.
+
+    With `link`, that name (`latest.pt`) is swapped to the same file *before* the file
+    gets its own name: a crash in between leaves `link` holding the newest state, never
+    pointing behind it.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -100,24 +105,24 @@ def atomic_save(payload: dict[str, Any], path: Path) -> None:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
+        if link is not None:
+            swap = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+            swap.unlink(missing_ok=True)
+            os.link(tmp, swap)
+            os.replace(swap, link)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
 
 
-def point_latest(path: Path) -> None:
-    """Make `latest.pt` a hard link to `path`, replaced atomically (no second write)."""
-    latest = path.parent / LATEST
-    tmp = path.parent / f".{LATEST}.{os.getpid()}.tmp"
-    tmp.unlink(missing_ok=True)
-    os.link(path, tmp)
-    os.replace(tmp, latest)
-    _fsync_dir(path.parent)
-
-
 def prune(directory: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` step checkpoints (0 keeps all)."""
+    """Delete all but the newest `keep_last` step checkpoints (0 keeps all), and the
+    temporary files of writers that were killed mid-write."""
+    mine = f".{os.getpid()}.tmp"
+    for stale in directory.glob(".*.tmp"):
+        if not stale.name.endswith(mine):
+            stale.unlink(missing_ok=True)
     if keep_last <= 0:
         return
     for old in list_checkpoints(directory)[keep_last:]:
@@ -144,8 +149,7 @@ def save_checkpoint(
             "torch": str(torch.__version__),
             "python": sys.version.split()[0],
         }
-        atomic_save(payload, path)
-        point_latest(path)
+        atomic_save(payload, path, link=directory / LATEST)
         prune(directory, keep_last)
     if ctx.distributed:
         dist.barrier()
@@ -211,14 +215,23 @@ def _few(items: list[str], n: int = 4) -> str:
 
 
 def find_resumable(directory: Path, device: torch.device) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in `directory` that loads; corrupt ones are skipped with a
-    warning. None when there is none (a fresh start)."""
-    for path in list_checkpoints(directory):
+    """The newest checkpoint in `directory` that loads: `latest.pt` or the newest whole
+    step file, whichever is further on. Corrupt files are skipped with a warning. None
+    when there is none (a fresh start)."""
+    best: tuple[Path, dict[str, Any]] | None = None
+    for path in [directory / LATEST, *list_checkpoints(directory)]:
+        if not path.exists():
+            continue
         try:
-            return path, load_checkpoint(path, device)
+            payload = load_checkpoint(path, device)
         except CheckpointError as exc:
             log.warning("skipping unusable checkpoint: %s", exc)
-    return None
+            continue
+        if best is None or payload["step"] > best[1]["step"]:
+            best = (path, payload)
+        if path.name != LATEST:
+            break  # step files come newest first: the first whole one is the newest
+    return best
 
 
 def export_safetensors_state(state: dict[str, torch.Tensor], out: Path) -> int:

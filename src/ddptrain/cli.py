@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from ddptrain import __version__
 from ddptrain.config import ConfigError, ErrorParser, TrainingConfig, dump_yaml, parse_config
-
-EXIT_USAGE = 2
+from ddptrain.errors import EXIT_PEER_LOST, EXIT_USAGE, TrainingStopped
 
 
 def prepare_run_dir(config: TrainingConfig) -> None:
@@ -71,6 +71,9 @@ def train(config: TrainingConfig) -> dict[str, Any] | None:
     try:
         summary = _fit(config, ctx, data)
         clean = True
+    except TrainingStopped:
+        clean = True  # every rank stopped at the same agreed step
+        raise
     finally:
         teardown_distributed(clean)
     if ctx.is_main:
@@ -158,6 +161,24 @@ COMMANDS = {
 }
 
 
+def _lost_peer(exc: BaseException) -> bool:
+    """A collective or the rendezvous store failed: a peer, not this process, is at fault."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    # gloo reports a dead or silent peer as a plain RuntimeError from its transport.
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "gloo/transport" in text
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)  # drop the C++ source location
+    return text.split(". This is typically")[0][:200]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -177,10 +198,27 @@ def main(argv: list[str] | None = None) -> int:
             )
         return command(argv[1:])
     except ConfigError as exc:
-        rank = os.environ.get("RANK", "0")
-        prefix = "" if rank == "0" else f"[rank {rank}] "
-        print(f"{prefix}ddptrain: error: {exc}", file=sys.stderr, flush=True)
+        _report(f"error: {exc}")
         return EXIT_USAGE
+    except TrainingStopped as exc:
+        _report(f"stopped: {exc}")
+        return exc.exit_code
+    except Exception as exc:
+        if not _lost_peer(exc):
+            raise
+        _report(
+            f"error: lost contact with the other ranks ({_first_line(exc)}): a peer died, "
+            "hung longer than --timeout_s, or the network failed; restart the job with "
+            "--resume_from auto"
+        )
+        return EXIT_PEER_LOST
     except KeyboardInterrupt:
-        print("ddptrain: interrupted", file=sys.stderr)
+        _report("interrupted")
         return 130
+
+
+def _report(text: str) -> None:
+    """One line on stderr; ranks other than 0 say who they are."""
+    rank = os.environ.get("RANK", "0")
+    prefix = "" if rank == "0" else f"[rank {rank}] "
+    print(f"{prefix}ddptrain: {text}", file=sys.stderr, flush=True)

@@ -71,6 +71,9 @@ class TrainingConfig:
         False, "linear scaling rule: lr x world_size x grad_accum_steps (global / per-rank batch)"
     )
     max_grad_norm: float | None = _f(None, "clip the global gradient norm to this value")
+    max_bad_steps: int = _f(
+        5, "stop after N optimizer steps in a row with non-finite gradients (0: never check)"
+    )
     grad_accum_steps: int = _f(1, "micro-steps per optimizer step (all-reduce on the last only)")
     # Distributed
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", "nccl with CUDA, gloo without")
@@ -85,6 +88,7 @@ class TrainingConfig:
     output_dir: str = _f("runs/ddptrain", "run directory: config.yaml, metrics.jsonl, checkpoints")
     checkpoint_dir: str | None = _f(None, "checkpoint directory (default: OUTPUT_DIR/checkpoints)")
     save_every: int = _f(1, "checkpoint every N epochs (0: only the final one)")
+    save_every_steps: int = _f(0, "also checkpoint every N optimizer steps (0: off)")
     keep_last: int = _f(0, "keep only the newest K checkpoints (0: keep all)")
     resume_from: str | None = _f(None, "checkpoint to resume from: a path, or 'auto' (newest)")
     # Logging and profiling
@@ -123,7 +127,11 @@ class TrainingConfig:
             _bad("num_classes", self.num_classes, "a classifier needs at least 2 classes")
         if self.synthetic_size < 2:
             _bad("synthetic_size", self.synthetic_size, "use at least 2 samples")
-        for name in ("num_workers", "save_every", "keep_last", "weight_decay", "momentum", "warmup_epochs"):
+        non_negative = (
+            "num_workers", "save_every", "save_every_steps", "keep_last", "max_bad_steps",
+            "weight_decay", "momentum", "warmup_epochs",
+        )
+        for name in non_negative:
             value = getattr(self, name)
             if value < 0:
                 _bad(name, value, "use a value of 0 or more")
@@ -271,7 +279,9 @@ def load_yaml(path: str) -> dict[str, Any]:
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise ConfigError(f"--config {path!r} cannot be read ({exc.strerror}): check the path")
+        raise ConfigError(
+            f"--config {path!r} cannot be read ({exc.strerror}): check the path"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

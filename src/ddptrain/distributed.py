@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -69,7 +70,9 @@ def resolve_backend(config: TrainingConfig, device: torch.device) -> str:
     return config.backend
 
 
-def setup_distributed(config: TrainingConfig, cluster: ClusterEnv | None = None) -> DistributedContext:
+def setup_distributed(
+    config: TrainingConfig, cluster: ClusterEnv | None = None
+) -> DistributedContext:
     """Pin the device, start the process group (if world size > 1), return the context."""
     cluster = cluster or read_cluster_env()
     device = resolve_device(config, cluster.local_rank)
@@ -79,18 +82,67 @@ def setup_distributed(config: TrainingConfig, cluster: ClusterEnv | None = None)
     if cluster.world_size == 1:
         return DistributedContext(0, 0, 1, device, backend=None)
     cluster.export_rendezvous()  # srun tasks: env:// needs MASTER_ADDR/PORT
-    dist.init_process_group(
-        backend=backend,
-        rank=cluster.rank,
-        world_size=cluster.world_size,
-        timeout=timedelta(seconds=config.timeout_s),
-        # Binding NCCL to the device up front makes its first collective eager and
-        # avoids a guess at the device from the rank.
-        device_id=device if device.type == "cuda" else None,
-    )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            store=_attempt_store(cluster, config.timeout_s),
+            rank=cluster.rank,
+            world_size=cluster.world_size,
+            timeout=timedelta(seconds=config.timeout_s),
+            # Binding NCCL to the device up front makes its first collective eager and
+            # avoids a guess at the device from the rank.
+            device_id=device if device.type == "cuda" else None,
+        )
+    except (dist.DistError, RuntimeError) as exc:
+        raise ConfigError(_rendezvous_advice(exc, cluster, config.timeout_s)) from None
     return DistributedContext(
         cluster.rank, cluster.local_rank, cluster.world_size, device, backend=backend
     )
+
+
+def _attempt_store(cluster: ClusterEnv, timeout_s: float) -> dist.Store | None:
+    """Under torchrun, the agent's store with a namespace per restart attempt.
+
+    The torchrun agent hosts the store the workers meet in, and keeps it when it restarts
+    a failed worker group (`--max_restarts`). The restarted workers would then read the
+    dead workers' addresses from it and fail to connect, so each attempt gets its own key
+    prefix. Elsewhere (`None`) init_process_group builds its store from MASTER_ADDR/PORT.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), cluster.world_size,
+        is_master=False, timeout=timedelta(seconds=timeout_s),
+    )
+    return dist.PrefixStore(f"ddptrain/attempt_{attempt}", base)
+
+
+def _rendezvous_advice(exc: BaseException, cluster: ClusterEnv, timeout_s: float) -> str:
+    """Turn a failed process-group start into what happened and what to do."""
+    addr = os.environ.get("MASTER_ADDR", "?")
+    port = os.environ.get("MASTER_PORT", "?")
+    text = str(exc)
+    where = f"MASTER_ADDR={addr} MASTER_PORT={port}"
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return (
+            f"you set {where}, but that port is already in use on this host: choose a free "
+            "MASTER_PORT (torchrun --standalone picks one for you)"
+        )
+    if "refused" in text.lower():
+        return (
+            f"rank {cluster.rank} of {cluster.world_size} could not connect to its peers via "
+            f"{where} (connection refused): check that every rank runs, and the addresses "
+            "and firewalls between the hosts (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)"
+        )
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return (
+            f"rank {cluster.rank} of {cluster.world_size} waited {timeout_s:g}s at {where} and "
+            "not every rank arrived: start all ranks (torchrun does), check MASTER_ADDR/"
+            "MASTER_PORT and firewalls, or raise --timeout_s"
+        )
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+    return f"the process group could not start at {where} ({first}): check the launcher settings"
 
 
 def teardown_distributed(clean: bool) -> None:

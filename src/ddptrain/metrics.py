@@ -26,18 +26,31 @@ class MetricSums:
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor) -> None:
-        """`loss_sum` is the loss summed over the batch (not its mean)."""
+        """`loss_sum` is the loss summed over the batch (not its mean). A batch whose loss
+        is not finite is left out (its step is skipped and counted elsewhere), so one bad
+        batch does not turn every later figure of the epoch into NaN."""
         correct = (logits.argmax(dim=1) == labels).sum()
         n = torch.tensor(labels.numel(), dtype=torch.float64, device=self.sums.device)
-        self.sums += torch.stack([loss_sum.detach().double(), correct.double(), n])
+        row = torch.stack([loss_sum.detach().double(), correct.double(), n])
+        self.sums += torch.where(torch.isfinite(row[0]), row, torch.zeros_like(row))
 
     def global_totals(self, ctx: DistributedContext) -> tuple[float, float, float]:
         """(loss_sum, correct, count) summed over every rank so far. A sync point."""
-        total = self.sums.clone()
+        totals, _ = self.global_totals_and_flag(ctx, False)
+        return totals
+
+    def global_totals_and_flag(
+        self, ctx: DistributedContext, flag: bool
+    ) -> tuple[tuple[float, float, float], bool]:
+        """The global totals and whether `flag` is set on any rank, in one all-reduce."""
+        buf = torch.cat([self.sums, self.sums.new_tensor([float(flag)])])
         if ctx.distributed:
-            dist.all_reduce(total)
-        loss_sum, correct, count = total.tolist()
-        return loss_sum, correct, count
+            dist.all_reduce(buf)
+        loss_sum, correct, count, flags = buf.tolist()
+        return (loss_sum, correct, count), flags > 0
+
+    def set(self, totals: list[float]) -> None:
+        self.sums.copy_(self.sums.new_tensor(totals))
 
 
 def summarize(loss_sum: float, correct: float, count: float) -> dict[str, float]:

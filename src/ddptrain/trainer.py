@@ -9,6 +9,11 @@ gradients once; then (optional) unscale + clip, optimizer and scaler step,
 Each micro-batch's loss is weighted by its share of the samples in its window, so K
 micro-batches of b equal one batch of K*b, and an epoch's last, shorter window is
 stepped with the right weights instead of being dropped.
+
+Faults: a non-finite gradient skips the step on every rank (the all-reduced gradient is
+the same everywhere, so every rank reaches the same verdict without another collective);
+SIGTERM is agreed on at the next metric all-reduce, a checkpoint is written and the run
+exits with `Preempted`; a restarted torchrun worker resumes from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import resource
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -47,6 +55,7 @@ from ddptrain.data import (
     steps_per_epoch,
 )
 from ddptrain.distributed import DistributedContext
+from ddptrain.errors import Diverged, Preempted
 from ddptrain.flops import gpu_fields
 from ddptrain.metrics import MetricSums, MetricsWriter, summarize
 from ddptrain.models import create_model, wrap_ddp
@@ -54,14 +63,32 @@ from ddptrain.profiling import StepProfiler
 
 log = logging.getLogger("ddptrain")
 
+# A SIGTERM is acted on at the next metric all-reduce: every --log_interval steps, and at
+# least every this many, so a preempted job stops well inside the launcher's grace period
+# (torchrun: 30 s) without adding a collective to every step.
+STOP_CHECK_STEPS = 25
+
 
 @dataclass
 class Progress:
     """Where training stands; enough to continue from exactly here."""
 
     epoch: int = 0  # epochs completed
-    step: int = 0  # optimizer steps taken in total
+    step: int = 0  # optimizer steps taken in total (skipped non-finite ones included)
     batches_in_epoch: int = 0  # micro-batches done in epoch `epoch + 1`
+    bad_steps: int = 0  # steps skipped for non-finite gradients, in total
+    bad_streak: int = 0  # ... in a row, up to now
+
+
+@dataclass
+class EpochMeter:
+    """Running train metrics of the current epoch, as of the last log point."""
+
+    sums: MetricSums
+    logged: tuple[float, float, float] = (0.0, 0.0, 0.0)  # global totals at the last log
+    t_last: float = 0.0
+    wait: float = 0.0  # seconds blocked on the loader since the last log
+    step_last: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,6 +153,7 @@ class Trainer:
 
         k = config.grad_accum_steps
         sizes = batch_sizes(self.sampler.num_samples, config.batch_size, config.drop_last)
+        self.batch_sizes = sizes
         # Per micro-batch of an epoch: its loss weight and whether it ends a window.
         # Identical on every rank (DistributedSampler gives equal shard sizes).
         self.loss_weights: list[float] = []
@@ -145,6 +173,8 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision.scaler)
         self.criterion = nn.CrossEntropyLoss()
         self.progress = Progress()
+        self._resumed_meter: dict[str, list[float]] | None = None
+        self._stop_requested = False
 
         torch.manual_seed(config.seed + ctx.rank)  # per-rank randomness (dropout, user aug.)
         self.resumed_from = self._resume()
@@ -155,9 +185,11 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs; RNG states of all ranks are gathered on rank 0."""
+    def state_dict(self, meter: dict[str, list[float]] | None = None) -> dict[str, Any]:
+        """Everything a resume needs; RNG states of all ranks are gathered on rank 0.
+        `meter` holds the epoch's global metric totals when saving mid-epoch."""
         return {
+            "epoch_meter": meter or {},
             **asdict(self.progress),
             "model_state_dict": self.module.state_dict(),
             "optimizer_state_dict": self.optimizer.state_dict(),
@@ -171,6 +203,10 @@ class Trainer:
 
     def _resume(self) -> str | None:
         source = self.config.resume_from
+        if source is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            # torchrun restarted this worker group after a failure: pick up where it was.
+            log.warning("restarted by torchrun: resuming from the newest checkpoint")
+            source = "auto"
         if source is None:
             return None
         if source == "auto":
@@ -187,15 +223,17 @@ class Trainer:
         self.scheduler.load_state_dict(payload["scheduler_state_dict"])
         self.scaler.load_state_dict(payload["scaler_state_dict"])
         self.progress = Progress(
-            payload["epoch"], payload["step"], payload.get("batches_in_epoch", 0)
+            payload["epoch"], payload["step"], payload["batches_in_epoch"],
+            payload["bad_steps"], payload["bad_streak"],
         )
         saved = payload.get("config", {})
         same_layout = payload.get("world_size") == self.ctx.world_size and all(
             saved.get(k) == getattr(self.config, k)
             for k in ("batch_size", "grad_accum_steps", "drop_last", "seed")
         )
-        if same_layout and payload.get("rng"):
+        if same_layout:
             set_rng_state(payload["rng"][self.ctx.rank], self.ctx.device)
+            self._resumed_meter = payload["epoch_meter"] or None
         elif self.progress.batches_in_epoch:
             # The position inside the epoch means nothing under another data layout.
             log.warning(
@@ -220,6 +258,7 @@ class Trainer:
         profiler = StepProfiler(cfg, ctx, self.steps_per_epoch)
         best, val, started = 0.0, {}, time.perf_counter()
         samples_seen = 0
+        previous = self._catch_sigterm()
         try:
             for epoch in range(self.progress.epoch + 1, cfg.epochs + 1):
                 t0 = time.perf_counter()
@@ -227,7 +266,7 @@ class Trainer:
                 samples_seen += train["samples"]
                 val = self.evaluate()
                 best = max(best, val["accuracy"])
-                self.progress = Progress(epoch, self.progress.step, 0)
+                self.progress.epoch, self.progress.batches_in_epoch = epoch, 0
                 self.writer.write({
                     "split": "val", "epoch": epoch, "step": self.progress.step, **val,
                     "train_loss": train["loss"], "train_accuracy": train["accuracy"],
@@ -242,6 +281,8 @@ class Trainer:
                 if last or (cfg.save_every and epoch % cfg.save_every == 0):
                     self.save()
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             profiler.close()
             self.writer.close()
         elapsed = time.perf_counter() - started
@@ -250,10 +291,21 @@ class Trainer:
             "val_loss": val.get("loss"), "val_accuracy": val.get("accuracy"),
             "best_val_accuracy": best, "train_time_s": elapsed,
             "samples_per_sec": samples_seen / elapsed if elapsed else 0.0,
+            "bad_steps": self.progress.bad_steps,
         }
         if ctx.is_main:
             export_safetensors_state(self.module.state_dict(), cfg.run_dir / "model.safetensors")
         return summary
+
+    def _catch_sigterm(self) -> Any:
+        """Turn SIGTERM into a request to stop at the next agreed point (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def request_stop(signum: int, frame: Any) -> None:
+            self._stop_requested = True
+
+        return signal.signal(signal.SIGTERM, request_stop)
 
     def _batches(self, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, float]]:
         """Yield device batches and the seconds spent waiting for each."""
@@ -272,16 +324,13 @@ class Trainer:
         cfg, ctx = self.config, self.ctx
         self.sampler.set_epoch(epoch)
         start = self.progress.batches_in_epoch
-        self.sampler.set_start(start * cfg.batch_size)
+        self.sampler.set_start(sum(self.batch_sizes[:start]))  # no replay, no skip
         self.model.train()
-        sums = MetricSums(ctx.device)
+        meter = self._new_meter()
         autocast = self._autocast()
         bar = self._progress_bar(epoch, start)
-        last_totals = (0.0, 0.0, 0.0)
-        t_last, wait = time.perf_counter(), 0.0
-        steps_at_last = self.progress.step
         for i, (x, y, waited) in enumerate(self._batches(start), start=start):
-            wait += waited
+            meter.wait += waited
             final = self.ends_window[i]
             sync = final or not ctx.distributed
             with contextlib.nullcontext() if sync else self.model.no_sync():  # type: ignore[operator]
@@ -289,47 +338,109 @@ class Trainer:
                     logits = self.model(x)
                     loss = self.criterion(logits, y)
                 self.scaler.scale(loss * self.loss_weights[i]).backward()
-            sums.update(logits, y, loss.detach() * y.shape[0])
+            meter.sums.update(logits, y, loss.detach() * y.shape[0])
             if not final:
                 continue
-            self._optimizer_step()
-            self.progress.step += 1
+            self._count_step(self._optimizer_step())
             self.progress.batches_in_epoch = i + 1
             profiler.step()
             if bar is not None:
                 bar.update(1)
-            if self.progress.step % cfg.log_interval == 0:
-                totals = sums.global_totals(ctx)
-                now = time.perf_counter()
-                interval = [a - b for a, b in zip(totals, last_totals, strict=True)]
-                steps = self.progress.step - steps_at_last
-                row = {
-                    "split": "train", "epoch": epoch, "step": self.progress.step,
-                    **summarize(*interval),
-                    "lr": self.optimizer.param_groups[0]["lr"],
-                    "samples_per_sec": interval[2] / (now - t_last),
-                    "step_time_s": (now - t_last) / steps,
-                    "data_wait_frac": wait / (now - t_last),
-                    "peak_rss_mb": peak_rss_mb(),
-                    **gpu_fields(
-                        self.module, x, interval[2] / (now - t_last), ctx, self.precision.dtype
-                    ),
-                }
-                self.writer.write(row)
-                self._log_train(row, bar)
-                last_totals, t_last, wait, steps_at_last = totals, now, 0.0, self.progress.step
+            step = self.progress.step
+            log_now = step % cfg.log_interval == 0
+            save_now = bool(cfg.save_every_steps) and step % cfg.save_every_steps == 0
+            if not (log_now or save_now or step % STOP_CHECK_STEPS == 0):
+                continue
+            # The one all-reduce of metric totals also carries the stop request, so all
+            # ranks learn of a SIGTERM at the same step.
+            totals, stop = meter.sums.global_totals_and_flag(ctx, self._stop_requested)
+            if log_now:
+                self._log_interval(epoch, meter, totals, x, bar)
+            if save_now or stop:
+                self.save({"totals": list(totals), "logged": list(meter.logged)})
+            if stop:
+                raise Preempted(f"stopped by SIGTERM at step {step} after a checkpoint")
         if bar is not None:
             bar.close()
-        return summarize(*sums.global_totals(ctx))
+        totals, stop = meter.sums.global_totals_and_flag(ctx, self._stop_requested)
+        if stop:
+            self.save({"totals": list(totals), "logged": list(meter.logged)})
+            raise Preempted(f"stopped by SIGTERM at step {self.progress.step} after a checkpoint")
+        return summarize(*totals)
 
-    def _optimizer_step(self) -> None:
-        if self.config.max_grad_norm:
+    def _new_meter(self) -> EpochMeter:
+        meter = EpochMeter(MetricSums(self.ctx.device), t_last=time.perf_counter())
+        meter.step_last = self.progress.step
+        saved, self._resumed_meter = self._resumed_meter, None
+        if saved:  # mid-epoch resume: the epoch's figures continue from the checkpoint
+            meter.logged = tuple(saved["logged"])  # type: ignore[assignment]
+            if self.ctx.is_main:  # global totals, so they are added in once
+                meter.sums.set(saved["totals"])
+        return meter
+
+    def _log_interval(
+        self, epoch: int, meter: EpochMeter, totals: tuple[float, float, float],
+        x: torch.Tensor, bar: Any,
+    ) -> None:
+        now = time.perf_counter()
+        interval = [a - b for a, b in zip(totals, meter.logged, strict=True)]
+        elapsed = now - meter.t_last
+        steps = max(1, self.progress.step - meter.step_last)
+        row = {
+            "split": "train", "epoch": epoch, "step": self.progress.step,
+            **summarize(*interval),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "samples_per_sec": interval[2] / elapsed,
+            "step_time_s": elapsed / steps,
+            "data_wait_frac": meter.wait / elapsed,
+            "peak_rss_mb": peak_rss_mb(),
+            "bad_steps": self.progress.bad_steps,
+            **gpu_fields(self.module, x, interval[2] / elapsed, self.ctx, self.precision.dtype),
+        }
+        self.writer.write(row)
+        self._log_train(row, bar)
+        meter.logged, meter.t_last, meter.wait = totals, now, 0.0
+        meter.step_last = self.progress.step
+
+    def _optimizer_step(self) -> bool:
+        """Step unless the gradients are not finite; returns whether it stepped."""
+        cfg = self.config
+        check = cfg.max_bad_steps > 0 and not self.precision.scaler  # fp16: the scaler's job
+        norm = None
+        if cfg.max_grad_norm:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
-            nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+            norm = nn.utils.clip_grad_norm_(self.module.parameters(), cfg.max_grad_norm)
+        elif check:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            norm = nn.utils.get_total_norm(grads)
+        # After the all-reduce every rank holds the same gradients, so this host read
+        # gives the same verdict everywhere: a NaN on any rank reaches all of them.
+        good = not check or norm is None or bool(torch.isfinite(norm))
+        if good:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        return good
+
+    def _count_step(self, good: bool) -> None:
+        p = self.progress
+        p.step += 1
+        if good:
+            p.bad_streak = 0
+            return
+        p.bad_steps += 1
+        p.bad_streak += 1
+        log.warning(
+            "step %d: non-finite gradients on at least one rank; step skipped on all "
+            "(%d in a row)", p.step, p.bad_streak,
+        )
+        if p.bad_streak >= self.config.max_bad_steps:
+            raise Diverged(
+                f"{p.bad_streak} optimizer steps in a row had non-finite gradients (last at "
+                f"step {p.step}); the newest checkpoint in {self.config.ckpt_dir} is the last "
+                "good state: lower --lr, set --max_grad_norm, or check the data for NaN/inf"
+            )
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         dtype = self.precision.dtype
@@ -362,10 +473,10 @@ class Trainer:
         self.module.train()
         return summarize(*sums.global_totals(ctx))
 
-    def save(self) -> None:
+    def save(self, meter: dict[str, list[float]] | None = None) -> None:
         cfg = self.config
         path = save_checkpoint(
-            cfg.ckpt_dir, self.progress.step, self.state_dict(), self.ctx, cfg.keep_last
+            cfg.ckpt_dir, self.progress.step, self.state_dict(meter), self.ctx, cfg.keep_last
         )
         log.info("checkpoint %s", path)
 

@@ -1,0 +1,34 @@
+"""How a run ends when it does not end well, and the exit code each way gets.
+
+| code | meaning |
+| --- | --- |
+| 2 | bad input (config, environment, data, checkpoint): one `ddptrain: error:` line |
+| 3 | lost contact with the other ranks (a peer died or hung past --timeout_s) |
+| 4 | training diverged: --max_bad_steps optimizer steps in a row had non-finite gradients |
+| 75 | stopped by SIGTERM after writing a checkpoint: resume with --resume_from auto |
+"""
+
+from __future__ import annotations
+
+EXIT_USAGE = 2
+EXIT_PEER_LOST = 3
+EXIT_DIVERGED = 4
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", which is what a requeue does
+
+
+class TrainingStopped(Exception):
+    """Training stopped early on purpose; `exit_code` tells the launcher why."""
+
+    exit_code = 1
+
+
+class Preempted(TrainingStopped):
+    """SIGTERM arrived; every rank finished its step and a checkpoint was written."""
+
+    exit_code = EXIT_PREEMPTED
+
+
+class Diverged(TrainingStopped):
+    """Too many consecutive optimizer steps had non-finite gradients."""
+
+    exit_code = EXIT_DIVERGED

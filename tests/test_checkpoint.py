@@ -1,0 +1,147 @@
+"""Checkpoint files: atomic under SIGKILL, weights-only, refused with one line when unusable."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ddptrain.checkpoint import (
+    LATEST,
+    find_resumable,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from ddptrain.cli import main
+from ddptrain.distributed import DistributedContext
+
+
+def _write_until_killed(directory: Path, step: int) -> None:
+    """Child: 8 MB checkpoints, one after another, until SIGKILL."""
+    ctx = DistributedContext(0, 0, 1, torch.device("cpu"))
+    blob = torch.zeros(2_000_000)
+    while True:
+        step += 1
+        state = {"step": step, "model_state_dict": {"w": blob, "tag": torch.tensor([step])}}
+        save_checkpoint(directory, step, state, ctx, keep_last=2)
+
+
+def test_kill_during_checkpoint_writes_never_leaves_a_broken_newest(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    rng = random.Random(0)
+    step, trials, torn = 0, 30, 0
+    for _ in range(trials):
+        # fork: the child starts writing at once, so kills land at every phase of a write
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _write_until_killed(directory, step)
+            finally:
+                os._exit(1)
+        time.sleep(rng.uniform(0.0, 0.3))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        torn += any(directory.glob(".*.tmp"))
+        found = find_resumable(directory, torch.device("cpu"))
+        if found is None:  # killed before its first file landed
+            assert not list_checkpoints(directory)
+            continue
+        _, payload = found
+        assert int(payload["model_state_dict"]["tag"]) == payload["step"]
+        # latest.pt is whole and is the newest state written, even when the kill came
+        # before that state's step file got its name.
+        latest = load_checkpoint(directory / LATEST, torch.device("cpu"))
+        assert latest["step"] == payload["step"]
+        named = [int(p.stem.split("_")[1]) for p in list_checkpoints(directory)]
+        assert not named or max(named) in (payload["step"], payload["step"] - 1)
+        step = payload["step"]
+    assert step > trials, "too few writes completed to mean anything"
+    assert torn > 0, "no kill landed inside a write"
+
+
+def _run(tmp_path: Path, *extra: str) -> Path:
+    run = tmp_path / "run"
+    rc = main(["train", "--epochs", "1", "--batch_size", "32", "--output_dir", str(run), *extra])
+    assert rc == 0
+    return run
+
+
+def _one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("ddptrain: error: "), err
+    return err
+
+
+class _RunsCode:
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+
+def test_unusable_checkpoints_are_refused_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _run(tmp_path)
+    good = list_checkpoints(run / "checkpoints")[0]
+    original = good.read_bytes()
+    args = ["train", "--epochs", "2", "--batch_size", "32", "--output_dir", str(tmp_path / "r2")]
+
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(original[: len(original) // 2])
+    assert "cannot be read" in _one_line(capsys, [*args, "--resume_from", str(truncated)])
+
+    noise = tmp_path / "noise.pt"
+    noise.write_bytes(os.urandom(4096))
+    assert "cannot be read" in _one_line(capsys, [*args, "--resume_from", str(noise)])
+
+    plain = tmp_path / "plain.pt"
+    torch.save({"weights": torch.zeros(3)}, plain)
+    assert "is not a ddptrain checkpoint" in _one_line(capsys, [*args, "--resume_from", str(plain)])
+
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    evil.write_bytes(pickle.dumps({"format": "ddptrain-checkpoint", "x": _RunsCode(marker)}))
+    err = _one_line(capsys, [*args, "--resume_from", str(evil)])
+    assert "pickled Python objects, which are refused" in err
+    assert not marker.exists(), "loading the checkpoint ran its code"
+
+    err = _one_line(capsys, [*args, "--width", "32", "--resume_from", str(good)])
+    assert "does not fit this model" in err and "net.1.weight (32, 30) vs (64, 30)" not in err
+    assert "shape mismatch" in err and "net.1.weight" in err
+
+    digits = ["--dataset", "digits", "--model", "miniresnet", "--width", "8"]
+    err = _one_line(capsys, [*args, *digits, "--resume_from", str(good)])
+    assert "missing fc.bias" in err and "unexpected net.1.bias" in err
+    assert good.read_bytes() == original  # nothing already written was touched
+
+
+def test_auto_resume_skips_a_corrupt_newest_checkpoint(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    base = ["train", "--batch_size", "32", "--output_dir", str(run), "--log_interval", "3"]
+    assert main([*base, "--epochs", "2"]) == 0
+    newest = list_checkpoints(run / "checkpoints")[0]
+    newest.write_bytes(newest.read_bytes()[:100])  # torn by a crash
+    assert main([*base, "--epochs", "2", "--resume_from", "auto"]) == 0
+    # It went back to epoch 1's checkpoint and trained epoch 2 again.
+    assert torch.load(newest, weights_only=True)["epoch"] == 2
+
+
+def test_export_writes_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _run(tmp_path)
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(run / "checkpoints" / LATEST), str(out)]) == 0
+    exported, final = load_file(str(out)), load_file(str(run / "model.safetensors"))
+    assert exported.keys() == final.keys()
+    assert all(torch.equal(exported[k], final[k]) for k in final)
+    assert "is not a ddptrain checkpoint" in _one_line(capsys, ["export", str(out), str(out)])

@@ -1,0 +1,278 @@
+"""Never lose work: SIGKILL at any step, torchrun restarts, SIGTERM, dead peers, NaNs.
+
+The reference for every interrupted run is the same job run without interruption; the
+weights at the end must be bitwise equal (CPU, fp32) and the metrics log must carry
+every step exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import BIN, _env, run_cli, run_torchrun, write_npz
+from dist_utils import free_port, run_ranks
+from safetensors.torch import load_file
+from workers import train_and_report
+
+from ddptrain.checkpoint import list_checkpoints
+from ddptrain.data import split_indices
+from ddptrain.errors import EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PREEMPTED
+
+pytestmark = pytest.mark.slow
+
+# MiniResNet at width 8 on digits: 360 optimizer steps, slow enough to be interrupted
+# anywhere, fast enough to run many times.
+JOB = ["train", "--dataset", "digits", "--model", "miniresnet", "--width", "8",
+       "--batch_size", "8", "--epochs", "2", "--lr", "0.05", "--log_interval", "10",
+       "--save_every_steps", "7", "--keep_last", "3"]
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "model.safetensors"))
+
+
+def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_log(run: Path, reference: Path) -> None:
+    """Every train step and every epoch once, with the reference's values."""
+    got, want = _rows(run), _rows(reference)
+    key = [(r["split"], r["epoch"], r["step"]) for r in got]
+    assert key == [(r["split"], r["epoch"], r["step"]) for r in want]
+    for g, w in zip(got, want, strict=True):
+        for field in ("loss", "accuracy", "lr", "samples"):
+            if field in w:
+                assert g[field] == pytest.approx(w[field], rel=1e-9, abs=1e-12), (g, w)
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddptrain", *args], cwd=cwd, env=_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+
+
+def _wait_for_step(ckpt_dir: Path, step: int, proc: subprocess.Popen[str], limit: float = 120):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        found = list_checkpoints(ckpt_dir)
+        if found and int(found[0].stem.split("_")[1]) >= step:
+            return
+        assert proc.poll() is None, f"finished before step {step}: {proc.stderr.read()[-2000:]}"
+        time.sleep(0.02)
+    raise AssertionError(f"no checkpoint at step {step} within {limit}s")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("reference") / "run"
+    proc = run_cli([*JOB, "--output_dir", str(run)], cwd=run.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+@pytest.mark.parametrize("kill_after", [15, 250])  # in epoch 1 and 2 (180 steps each)
+def test_sigkill_then_resume_is_bitwise_exact(
+    reference: Path, tmp_path: Path, kill_after: int
+) -> None:
+    run = tmp_path / "run"
+    proc = _start([*JOB, "--output_dir", str(run)], tmp_path)
+    _wait_for_step(run / "checkpoints", kill_after, proc)
+    proc.kill()
+    proc.wait()
+    # --keep_last 3 (one more while a kill lands between a write and the pruning)
+    assert len(list_checkpoints(run / "checkpoints")) <= 4
+    resumed = run_cli([*JOB, "--output_dir", str(run), "--resume_from", "auto"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert len(list_checkpoints(run / "checkpoints")) == 3
+    _assert_bitwise(_weights(run), _weights(reference))
+    _assert_same_log(run, reference)
+
+
+def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = _start([*JOB, "--output_dir", str(run)], tmp_path)
+    _wait_for_step(run / "checkpoints", 100, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_PREEMPTED, err[-2000:]
+    assert "stopped by SIGTERM at step" in err and "Traceback" not in err
+    stopped_at = int(err.split("at step ")[1].split()[0])
+    newest = list_checkpoints(run / "checkpoints")[0]
+    assert torch.load(newest, weights_only=True)["step"] == stopped_at
+    resumed = run_cli([*JOB, "--output_dir", str(run), "--resume_from", "auto"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_bitwise(_weights(run), _weights(reference))
+    _assert_same_log(run, reference)
+
+
+def _worker_pids(agent: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(agent)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in environ:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+def _torchrun(args: list[str], cwd: Path, extra: list[str]) -> subprocess.Popen[str]:
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", *extra,
+           "-m", "ddptrain", *args]
+    return subprocess.Popen(cmd, cwd=cwd, env=_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+TWO_RANK_JOB = [*JOB[:-4], "--epochs", "1", "--save_every_steps", "5"]
+
+
+@pytest.fixture(scope="module")
+def reference_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("reference2") / "run"
+    proc = run_torchrun(2, [*TWO_RANK_JOB, "--output_dir", str(run)], cwd=run.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def test_torchrun_restart_after_a_killed_worker_resumes_exactly(
+    reference_two_ranks: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    agent = _torchrun([*TWO_RANK_JOB, "--output_dir", str(run)], tmp_path, ["--max_restarts=1"])
+    _wait_for_step(run / "checkpoints", 40, agent)
+    victims = [p for p in _worker_pids(agent.pid) if _rank_of(p) == 1]
+    assert victims, "no rank-1 worker found"
+    os.kill(victims[0], signal.SIGKILL)
+    out, err = agent.communicate(timeout=240)
+    assert agent.returncode == 0, err[-3000:]
+    assert "restarted by torchrun: resuming" in out + err
+    _assert_bitwise(_weights(run), _weights(reference_two_ranks))
+    _assert_same_log(run, reference_two_ranks)
+
+
+def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(
+    reference_two_ranks: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    agent = _torchrun([*TWO_RANK_JOB, "--output_dir", str(run)], tmp_path, [])
+    _wait_for_step(run / "checkpoints", 30, agent)
+    rank1 = [p for p in _worker_pids(agent.pid) if _rank_of(p) == 1]
+    os.kill(rank1[0], signal.SIGTERM)  # only rank 1 hears it; rank 0 must agree to stop
+    _, err = agent.communicate(timeout=120)
+    assert agent.returncode != 0
+    assert err.count("stopped by SIGTERM at step") == 2, err[-3000:]
+    steps = {int(x.split()[0]) for x in err.split("stopped by SIGTERM at step ")[1:]}
+    assert len(steps) == 1, f"ranks stopped at different steps: {steps}"
+    assert f"exitcode  : {EXIT_PREEMPTED}" in err or f"exitcode: {EXIT_PREEMPTED}" in err
+    resumed = run_torchrun(
+        2, [*TWO_RANK_JOB, "--output_dir", str(run), "--resume_from", "auto"], cwd=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_bitwise(_weights(run), _weights(reference_two_ranks))
+    _assert_same_log(run, reference_two_ranks)
+
+
+# ---------------------------------------------------------------------- dead peers
+def _manual_ranks(args: list[str], cwd: Path, port: int) -> list[subprocess.Popen[str]]:
+    procs = []
+    for rank in (0, 1):
+        env = _env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "ddptrain", *args], cwd=cwd, env=env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        ))
+    return procs
+
+
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_surviving_rank_exits_within_the_timeout(tmp_path: Path, how: str) -> None:
+    run = tmp_path / "run"
+    timeout_s = 6
+    r0, r1 = _manual_ranks(
+        [*JOB, "--epochs", "20", "--timeout_s", str(timeout_s), "--output_dir", str(run)],
+        tmp_path, free_port(),
+    )
+    try:
+        _wait_for_step(run / "checkpoints", 14, r0)
+        os.kill(r1.pid, signal.SIGKILL if how == "dies" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, err = r0.communicate(timeout=timeout_s + 60)
+        waited = time.monotonic() - t0
+    finally:
+        r1.kill()
+        r1.wait()
+        r0.kill()
+    assert r0.returncode == EXIT_PEER_LOST, err[-2000:]
+    assert "lost contact with the other ranks" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert waited < timeout_s + 30
+
+
+# ---------------------------------------------------------------------- non-finite steps
+def _nan_data(path: Path, bad_rows: list[int]) -> Path:
+    write_npz(path, 400)
+    with np.load(path) as f:
+        x, y = f["x"].copy(), f["y"].copy()
+    x[bad_rows, 1] = np.nan
+    np.savez(path, x=x, y=y)
+    return path
+
+
+def test_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path: Path) -> None:
+    train_rows, _ = split_indices(400, 0.2, seed=42)
+    bad_rows = [int(train_rows[3]), int(train_rows[150])]
+    data = _nan_data(tmp_path / "nan.npz", bad_rows)
+    cfg = dict(dataset=str(data), model="mlp", batch_size=16, epochs=2, use_amp=False,
+               lr=0.05, log_interval=2, output_dir=str(tmp_path / "run"))
+    ranks = run_ranks(train_and_report, 2, tmp_path, cfg)
+    # Each NaN sample is in one rank's batch once per epoch: 2 to 4 bad steps in all.
+    assert 2 <= ranks[0]["bad_steps"] == ranks[1]["bad_steps"] <= 4
+    for k, w in ranks[0]["weights"].items():
+        assert torch.isfinite(w).all(), k
+        assert torch.equal(w, ranks[1]["weights"][k]), f"ranks disagree on {k}"
+    rows = _rows(tmp_path / "run")
+    assert all(np.isfinite(r["loss"]) for r in rows)  # skipped batches stay out of metrics
+    assert max(r.get("bad_steps", 0) for r in rows) > 0
+
+
+def test_diverged_run_stops_with_exit_4_and_keeps_last_good_checkpoint(tmp_path: Path) -> None:
+    good = write_npz(tmp_path / "good.npz", 400)
+    bad = _nan_data(tmp_path / "bad.npz", bad_rows=list(range(400)))
+    run = tmp_path / "run"
+    common = ["train", "--model", "mlp", "--batch_size", "16", "--output_dir", str(run)]
+    assert run_cli([*common, "--dataset", str(good), "--epochs", "1"], cwd=tmp_path).returncode == 0
+    (ckpt,) = list_checkpoints(run / "checkpoints")
+    before = ckpt.read_bytes()
+    proc = run_cli(
+        [*common, "--dataset", str(bad), "--epochs", "2", "--resume_from", "auto",
+         "--max_bad_steps", "3"], cwd=tmp_path,
+    )
+    assert proc.returncode == EXIT_DIVERGED, proc.stderr[-2000:]
+    assert "3 optimizer steps in a row had non-finite gradients" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert list_checkpoints(run / "checkpoints") == [ckpt] and ckpt.read_bytes() == before
+    assert (run / "checkpoints" / "latest.pt").read_bytes() == before
