@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import run_cli, run_torchrun, write_npz
+from dist_utils import free_port
 from safetensors.torch import load_file
 
 from ddptrain.cli import main
@@ -36,6 +39,8 @@ BAD_FLAGS = [
       "--model", "miniresnet"], "--in_channels 4 does not match"),
     (["train", "--dataset", "breast_cancer", "--model", "miniresnet"], "needs images"),
     (["train", "--batch_size", "1000"], "larger than a rank's share"),
+    (["train", "--dataset", "missing.npz"], "no such file; give the path of an .npz"),
+    (["train", "--resume_from", "missing.pt"], "give an existing checkpoint file"),
     (["frobnicate"], "unknown command 'frobnicate'"),
 ]
 
@@ -78,6 +83,31 @@ def test_bad_launcher_environment(
     rc = main(["train", "--output_dir", str(tmp_path / "run")])
     out = err().err
     assert rc == 2 and needle in out and len(out.strip().splitlines()) == 1, out
+
+
+def _lone_rank(tmp_path: Path, port: int) -> tuple[int, str, float]:
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    t0 = time.monotonic()
+    proc = run_cli(["train", "--timeout_s", "3", "--output_dir", str(tmp_path / "r")],
+                   cwd=tmp_path, env=env, timeout=120)
+    return proc.returncode, proc.stderr.strip(), time.monotonic() - t0
+
+
+def test_world_size_two_without_a_peer_fails_after_the_timeout(tmp_path: Path) -> None:
+    rc, err, took = _lone_rank(tmp_path, free_port())
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "rank 0 of 2 waited 3s" in err and "not every rank arrived" in err
+    assert took < 60
+
+
+def test_master_port_in_use_is_one_line(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        rc, err, _ = _lone_rank(tmp_path, busy.getsockname()[1])
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "already in use" in err
 
 
 def test_bad_data_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
