@@ -20,19 +20,38 @@ from ddptrain.distributed import DistributedContext
 
 
 class MetricSums:
-    """Running (loss_sum, correct, count) for one split over some steps."""
+    """Running (loss_sum, correct, count) for one split.
+
+    Micro-batches add into a pending window that `commit` folds into the totals once the
+    optimizer step is known to be good (a skipped, non-finite step is dropped, so one bad
+    batch does not turn every later figure into NaN). Each update is a handful of small
+    in-place ops and no host sync; the sample count is a Python int, known on the host.
+    """
 
     def __init__(self, device: torch.device) -> None:
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self._loss, self._correct = zero.clone(), zero.clone()  # committed
+        self._count = 0
+        self._win_loss, self._win_correct = zero.clone(), zero.clone()  # pending
+        self._win_count = 0
 
-    def update(self, logits: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor) -> None:
-        """`loss_sum` is the loss summed over the batch (not its mean). A batch whose loss
-        is not finite is left out (its step is skipped and counted elsewhere), so one bad
-        batch does not turn every later figure of the epoch into NaN."""
-        correct = (logits.argmax(dim=1) == labels).sum()
-        n = torch.tensor(labels.numel(), dtype=torch.float64, device=self.sums.device)
-        row = torch.stack([loss_sum.detach().double(), correct.double(), n])
-        self.sums += torch.where(torch.isfinite(row[0]), row, torch.zeros_like(row))
+    def update(
+        self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, scale: float
+    ) -> None:
+        """Add a batch: `loss x scale` is its summed loss (scale = batch size for a mean)."""
+        self._win_loss.add_(loss.detach(), alpha=scale)
+        self._win_correct.add_((logits.argmax(dim=1) == labels).sum())
+        self._win_count += labels.shape[0]
+
+    def commit(self, keep: bool = True) -> None:
+        """Fold the pending window into the totals (or drop it), and start a new one."""
+        if keep:
+            self._loss.add_(self._win_loss)
+            self._correct.add_(self._win_correct)
+            self._count += self._win_count
+        self._win_loss.zero_()
+        self._win_correct.zero_()
+        self._win_count = 0
 
     def global_totals(self, ctx: DistributedContext) -> tuple[float, float, float]:
         """(loss_sum, correct, count) summed over every rank so far. A sync point."""
@@ -42,15 +61,20 @@ class MetricSums:
     def global_totals_and_flag(
         self, ctx: DistributedContext, flag: bool
     ) -> tuple[tuple[float, float, float], bool]:
-        """The global totals and whether `flag` is set on any rank, in one all-reduce."""
-        buf = torch.cat([self.sums, self.sums.new_tensor([float(flag)])])
+        """The committed global totals and whether `flag` is set on any rank, in one
+        all-reduce."""
+        extra = self._loss.new_tensor([float(self._count), float(flag)])
+        buf = torch.cat([self._loss.view(1), self._correct.view(1), extra])
         if ctx.distributed:
             dist.all_reduce(buf)
         loss_sum, correct, count, flags = buf.tolist()
         return (loss_sum, correct, count), flags > 0
 
     def set(self, totals: list[float]) -> None:
-        self.sums.copy_(self.sums.new_tensor(totals))
+        """Start from saved totals (a mid-epoch resume)."""
+        self._loss.fill_(totals[0])
+        self._correct.fill_(totals[1])
+        self._count = int(totals[2])
 
 
 def summarize(loss_sum: float, correct: float, count: float) -> dict[str, float]:
