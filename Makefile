@@ -40,7 +40,7 @@ slurm-deps:
 	fi
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests bench
 
 clean:
 	rm -rf runs .pytest_cache
