@@ -7,12 +7,14 @@ every step exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -61,11 +63,32 @@ def _assert_same_log(run: Path, reference: Path) -> None:
                 assert g[field] == pytest.approx(w[field], rel=1e-9, abs=1e-12), (g, w)
 
 
-def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", *args], cwd=cwd, env=_env(), text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+_STARTED: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _reap() -> Iterator[None]:
+    """Kill whatever a test started and left running (a failed assertion, a timeout)."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _popen(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group, so _reap gets the workers too
     )
+    _STARTED.append(proc)
+    return proc
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    return _popen([sys.executable, "-m", "ddptrain", *args], cwd, _env())
 
 
 def _wait_for_step(ckpt_dir: Path, step: int, proc: subprocess.Popen[str], limit: float = 120):
@@ -142,8 +165,7 @@ def _rank_of(pid: int) -> int | None:
 def _torchrun(args: list[str], cwd: Path, extra: list[str]) -> subprocess.Popen[str]:
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", *extra,
            "-m", "ddptrain", *args]
-    return subprocess.Popen(cmd, cwd=cwd, env=_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return _popen(cmd, cwd, _env())
 
 
 TWO_RANK_JOB = [*JOB[:-4], "--epochs", "1", "--save_every_steps", "5"]
@@ -201,10 +223,7 @@ def _manual_ranks(args: list[str], cwd: Path, port: int) -> list[subprocess.Pope
     for rank in (0, 1):
         env = _env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "ddptrain", *args], cwd=cwd, env=env, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        ))
+        procs.append(_popen([sys.executable, "-m", "ddptrain", *args], cwd, env))
     return procs
 
 
