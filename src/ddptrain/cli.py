@@ -1,11 +1,13 @@
-"""Command line: `ddptrain train | export | plot`.
+"""Command line: `ddptrain train | export | doctor | plot`.
 
     ddptrain train --dataset digits --epochs 3                       # one process
     torchrun --standalone --nproc_per_node=2 -m ddptrain train       # two ranks, one node
     ddptrain export runs/ddptrain/checkpoints/latest.pt model.safetensors
+    torchrun --standalone --nproc_per_node=2 -m ddptrain doctor      # check the cluster
     ddptrain plot runs/a runs/b -o curves.png                        # curves, overlaid
 
-A wrong setting ends the run with one line, `ddptrain: error: ...`, and exit code 2.
+A wrong setting ends the run with one line, `ddptrain: error: ...`, and exit code 2; the
+other exit codes are listed in `ddptrain.errors`.
 """
 
 from __future__ import annotations
@@ -219,6 +221,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(text: str) -> None:
     """One line on stderr; ranks other than 0 say who they are."""
-    rank = os.environ.get("RANK", "0")
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     prefix = "" if rank == "0" else f"[rank {rank}] "
     print(f"{prefix}ddptrain: {text}", file=sys.stderr, flush=True)
