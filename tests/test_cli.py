@@ -206,6 +206,7 @@ def test_torchrun_synthetic_npz_and_user_plugins(tmp_path: Path) -> None:
     run = tmp_path / "syn"
     proc = run_torchrun(
         2, ["train", "--dataset", "synthetic", "--synthetic_size", "640", "--width", "8",
+            "--num_workers", "1",
             "--batch_size", "32", "--epochs", "2", "--output_dir", str(run)], cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
