@@ -147,3 +147,26 @@ def report(out: Path, clock: StepClock, **extra: Any) -> None:
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def track(sums: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, loss: torch.Tensor) -> None:
+    """The metric sums every contestant keeps on the device, as ddptrain does:
+    (loss sum, correct, count), read only at the end."""
+    correct = (logits.argmax(dim=1) == y).sum()
+    sums += torch.stack(
+        [loss.detach().double() * y.shape[0], correct.double(), torch.tensor(float(len(y)))]
+    )
+
+
+def contestant_main(run: Callable[[argparse.Namespace], None]) -> None:
+    """Run a contestant that lets its framework start the process group, then tear down.
+
+    Models and loaders die with `run`'s frame; destroying the group while a DDP reducer
+    lived could abort gloo at exit.
+    """
+    from ddptrain.distributed import teardown_distributed
+
+    try:
+        run(parse_args())
+    finally:
+        teardown_distributed(clean=True)

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from bench.common import track
+
 
 def hand_written_epoch(
     model: nn.Module,
@@ -40,10 +42,7 @@ def hand_written_epoch(
             logits = model(x)
             loss = criterion(logits, y)
             (loss / k).backward()
-        correct = (logits.argmax(dim=1) == y).sum()
-        sums += torch.stack(
-            [loss.detach().double() * y.shape[0], correct.double(), torch.tensor(float(len(y)))]
-        )
+        track(sums, logits, y, loss)
         if ends_window:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

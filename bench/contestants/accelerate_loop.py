@@ -22,24 +22,15 @@ from torch import nn
 from bench.common import (
     StepClock,
     build_data,
-    parse_args,
+    contestant_main,
     plain_loader,
     report,
     schedule,
     sgd,
+    track,
     workload_config,
 )
-from ddptrain.distributed import teardown_distributed
 from ddptrain.models import create_model
-
-
-def main() -> None:
-    try:
-        run(parse_args())
-    finally:
-        # Models and loaders died with run()'s frame; destroying the group while a DDP
-        # reducer lived could abort gloo at exit.
-        teardown_distributed(clean=True)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -71,10 +62,7 @@ def run(args: argparse.Namespace) -> None:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            correct = (logits.argmax(dim=1) == y).sum()
-            sums += torch.stack(
-                [loss.detach().double() * y.shape[0], correct.double(), torch.tensor(float(len(y)))]
-            )
+            track(sums, logits, y, loss)
             if accelerator.sync_gradients:
                 clock.step()
     clock.stop()
@@ -82,4 +70,4 @@ def run(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    contestant_main(run)
