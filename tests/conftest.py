@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
@@ -33,7 +33,7 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """`python -m ddptrain ARGS` as a user would run it."""
     return subprocess.run(
-        [sys.executable, "-m", "ddptrain", *args], cwd=cwd, env=_env(env), text=True,
+        [sys.executable, "-m", "ddptrain", *args], cwd=cwd, env=child_env(env), text=True,
         capture_output=True, timeout=timeout,
     )
 
@@ -48,7 +48,7 @@ def run_torchrun(
         *(torchrun_args or []), "-m", "ddptrain", *args,
     ]
     return subprocess.run(
-        cmd, cwd=cwd, env=_env(env), text=True, capture_output=True, timeout=timeout
+        cmd, cwd=cwd, env=child_env(env), text=True, capture_output=True, timeout=timeout
     )
 
 

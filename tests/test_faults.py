@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import BIN, _env, run_cli, run_torchrun, write_npz
+from conftest import BIN, child_env, run_cli, run_torchrun, write_npz
 from dist_utils import free_port, run_ranks
 from safetensors.torch import load_file
 from workers import train_and_report
@@ -88,7 +88,7 @@ def _popen(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[s
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
-    return _popen([sys.executable, "-m", "ddptrain", *args], cwd, _env())
+    return _popen([sys.executable, "-m", "ddptrain", *args], cwd, child_env())
 
 
 def _wait_for_step(ckpt_dir: Path, step: int, proc: subprocess.Popen[str], limit: float = 120):
@@ -165,7 +165,7 @@ def _rank_of(pid: int) -> int | None:
 def _torchrun(args: list[str], cwd: Path, extra: list[str]) -> subprocess.Popen[str]:
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", *extra,
            "-m", "ddptrain", *args]
-    return _popen(cmd, cwd, _env())
+    return _popen(cmd, cwd, child_env())
 
 
 TWO_RANK_JOB = [*JOB[:-4], "--epochs", "1", "--save_every_steps", "5"]
@@ -221,7 +221,7 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(
 def _manual_ranks(args: list[str], cwd: Path, port: int) -> list[subprocess.Popen[str]]:
     procs = []
     for rank in (0, 1):
-        env = _env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+        env = child_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         procs.append(_popen([sys.executable, "-m", "ddptrain", *args], cwd, env))
     return procs

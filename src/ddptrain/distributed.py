@@ -164,12 +164,3 @@ def teardown_distributed(clean: bool) -> None:
         except Exception as exc:  # a peer died after our last collective
             log.warning("barrier before teardown failed: %s", exc)
     dist.destroy_process_group()
-
-
-def broadcast_object(obj: object, ctx: DistributedContext) -> object:
-    """Rank 0's `obj` on every rank (a no-op in a single process)."""
-    if not ctx.distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

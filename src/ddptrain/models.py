@@ -122,7 +122,3 @@ def wrap_ddp(model: nn.Module, ctx: DistributedContext) -> nn.Module:
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     # Gradients written straight into the all-reduce buckets save a copy per step.
     return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DDP) else model
