@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from ddptrain.config import TrainingConfig
 from ddptrain.data import DataBundle, load_data
-from ddptrain.trainer import warmup_cosine
+from ddptrain.optim import warmup_cosine
 
 # The two workloads: overhead-dominated (a tiny MLP, ~1 ms steps) and compute-dominated
 # (MiniResNet on 3x32x32 images). Sizes are chosen to run in seconds on one CPU thread.

@@ -38,7 +38,7 @@ BAD_FLAGS = [
     (["train", "--dataset", "digits", "--model", "mlp", "--in_channels", "4",
       "--model", "miniresnet"], "--in_channels 4 does not match"),
     (["train", "--dataset", "breast_cancer", "--model", "miniresnet"], "needs images"),
-    (["train", "--batch_size", "1000"], "larger than a rank's share"),
+    (["train", "--batch_size", "1000", "--drop_last"], "drops all 455 training samples"),
     (["train", "--dataset", "missing.npz"], "no such file; give the path of an .npz"),
     (["train", "--resume_from", "missing.pt"], "give an existing checkpoint file"),
     (["frobnicate"], "unknown command 'frobnicate'"),

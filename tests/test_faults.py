@@ -58,7 +58,7 @@ def _assert_same_log(run: Path, reference: Path) -> None:
     key = [(r["split"], r["epoch"], r["step"]) for r in got]
     assert key == [(r["split"], r["epoch"], r["step"]) for r in want]
     for g, w in zip(got, want, strict=True):
-        for field in ("loss", "accuracy", "lr", "samples"):
+        for field in ("loss", "accuracy", "mse", "perplexity", "lr", "samples"):
             if field in w:
                 assert g[field] == pytest.approx(w[field], rel=1e-9, abs=1e-12), (g, w)
 
@@ -295,3 +295,34 @@ def test_diverged_run_stops_with_exit_4_and_keeps_last_good_checkpoint(tmp_path:
     assert "Traceback" not in proc.stderr
     assert list_checkpoints(run / "checkpoints") == [ckpt] and ckpt.read_bytes() == before
     assert (run / "checkpoints" / "latest.pt").read_bytes() == before
+
+
+TASK_JOBS = {
+    # 354 training samples in batches of 2: 177 steps an epoch
+    "regression": ["train", "--dataset", "diabetes", "--batch_size", "2", "--epochs", "4",
+                   "--lr", "0.002", "--save_every_steps", "7", "--log_interval", "10"],
+    # 2027 windows of 16 characters in batches of 8: 254 steps an epoch
+    "lm": ["train", "--dataset", "chars", "--block_size", "16", "--width", "16",
+           "--batch_size", "8", "--epochs", "2", "--optimizer", "adamw", "--lr", "0.003",
+           "--save_every_steps", "7", "--log_interval", "10"],
+}
+
+
+@pytest.mark.parametrize("task", list(TASK_JOBS))
+def test_sigkill_mid_epoch_then_resume_is_bitwise_exact_for_other_tasks(
+    tmp_path: Path, task: str
+) -> None:
+    job = TASK_JOBS[task]
+    reference = tmp_path / "reference"
+    proc = run_cli([*job, "--output_dir", str(reference)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    killed = _start([*job, "--output_dir", str(run)], tmp_path)
+    _wait_for_step(run / "checkpoints", 300, killed)  # in epoch 2, mid-epoch
+    killed.kill()
+    killed.wait()
+    resumed = run_cli([*job, "--output_dir", str(run), "--resume_from", "auto"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    _assert_bitwise(_weights(run), _weights(reference))
+    _assert_same_log(run, reference)

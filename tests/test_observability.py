@@ -178,6 +178,7 @@ def _count_rounds(rank: int, port: int, out: str) -> None:
     from ddptrain.config import TrainingConfig
     from ddptrain.data import load_data
     from ddptrain.distributed import ClusterEnv, setup_distributed, teardown_distributed
+    from ddptrain.hooks import Hook
     from ddptrain.models import create_model
     from ddptrain.trainer import Trainer
 
@@ -189,19 +190,19 @@ def _count_rounds(rank: int, port: int, out: str) -> None:
     data = load_data(config)
     ctx = setup_distributed(config, ClusterEnv(rank, rank, 2, "torchrun"))
 
-    class Steps:
+    class Steps(Hook):
         count = 0
 
-        def step(self) -> None:
+        def on_step_end(self, trainer: object) -> None:
             Steps.count += 1
 
-    trainer = Trainer(config, ctx, data)
+    trainer = Trainer(config, ctx, data, hooks=[Steps()])
     counter = AllReduceCounter().attach(trainer.model)  # type: ignore[arg-type]
-    trainer.train_epoch(1, Steps())  # type: ignore[arg-type]
+    trainer.train_epoch(1)
     ours = counter.rounds / Steps.count
     del trainer
 
-    module = create_model(config, data, ctx.device)
+    module = create_model(config, data, 2, ctx.device)
     model = torch.nn.parallel.DistributedDataParallel(module)
     seed_counter = AllReduceCounter().attach(model)
     loader = torch.utils.data.DataLoader(data.train, batch_size=19, collate_fn=lambda b: b,

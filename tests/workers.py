@@ -9,7 +9,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from ddptrain.cli import train
 from ddptrain.config import TrainingConfig
-from ddptrain.data import load_data, make_train_loader
+from ddptrain.data import load_data
 from ddptrain.distributed import setup_distributed, teardown_distributed
 from ddptrain.trainer import Trainer
 
@@ -51,9 +51,9 @@ def count_allreduces(rank: int, overrides: dict[str, Any]) -> dict[str, int]:
         # Seed-style accumulation: every micro-step's backward all-reduces.
         calls[0] = 0
         k = trainer.config.grad_accum_steps
-        x, y = next(iter(trainer.train_loader))
+        x, y = next(trainer.train_batches.batches(*trainer.train_batches.plan(1, 0)))
         for _ in range(k):
-            loss = trainer.criterion(trainer.model(x), y) / k
+            loss = torch.nn.functional.cross_entropy(trainer.model(x), y) / k
             loss.backward()
         return {"calls": ours, "steps": steps, "seed_style_calls": calls[0]}
 
@@ -64,13 +64,14 @@ def epoch_indices(rank: int, overrides: dict[str, Any], n: int) -> dict[int, lis
     """Sample ids (feature 0 x n) this rank's train loader yields in epochs 1..3."""
 
     def body(trainer: Trainer) -> dict[int, list[int]]:
-        loader, sampler = make_train_loader(trainer.data.train, trainer.config, trainer.ctx)
+        batches = trainer.train_batches
         seen: dict[int, list[int]] = {}
         for epoch in (1, 2, 3):
-            sampler.set_epoch(epoch)
             ids: list[int] = []
-            for x, _ in loader:
-                ids += torch.round(x[:, 0] * n).long().tolist()
+            order, plan = batches.plan(epoch, 0)
+            for (x, _), micro in zip(batches.batches(order, plan), plan, strict=True):
+                if not micro.pad:
+                    ids += torch.round(x[:, 0] * n).long().tolist()
             seen[epoch] = ids
         return seen
 

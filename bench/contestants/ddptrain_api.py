@@ -27,20 +27,18 @@ from bench.allreduce import AllReduceCounter
 from bench.common import StepClock, build_data, parse_args, report, workload_config
 from ddptrain.config import TrainingConfig
 from ddptrain.distributed import read_cluster_env, setup_distributed, teardown_distributed
+from ddptrain.hooks import Hook
 from ddptrain.trainer import Trainer
 
 
-class ClockHook:
-    """Stands in for the profiler hook `Trainer.train_epoch` steps once per optimizer step."""
+class ClockHook(Hook):
+    """Timestamps every optimizer step, through the same hook interface users have."""
 
     def __init__(self, clock: StepClock) -> None:
         self.clock = clock
 
-    def step(self) -> None:
+    def on_step_end(self, trainer: object) -> None:
         self.clock.step()
-
-    def close(self) -> None:
-        pass
 
 
 def main() -> None:
@@ -70,16 +68,15 @@ def main() -> None:
 
 
 def run(config, ctx, data, count_allreduce: bool, clock: StepClock) -> dict:  # type: ignore[no-untyped-def]
-    trainer = Trainer(config, ctx, data)
+    trainer = Trainer(config, ctx, data, hooks=[ClockHook(clock)])
     counting = count_allreduce and ctx.distributed
     counter = AllReduceCounter().attach(trainer.model) if counting else None  # type: ignore[arg-type]
     trainer.writer.start(keep_step=None, keep_epoch=None)
-    hook = ClockHook(clock)
     for epoch in range(1, config.epochs + 1):
         if epoch == 2:
             clock.start()
-        trainer.train_epoch(epoch, hook)  # type: ignore[arg-type]
-        trainer.progress.epoch, trainer.progress.batches_in_epoch = epoch, 0
+        trainer.train_epoch(epoch)
+        trainer.progress.epoch, trainer.progress.samples_in_epoch = epoch, 0
     clock.stop()
     trainer.writer.close()
     allreduce_ms = bare_allreduce_ms(trainer.module) if ctx.distributed else None

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> None:
     config = workload_config(args.workload, grad_accum_steps=args.grad_accum_steps)
     data = build_data(config)
     torch.manual_seed(config.seed)
-    module = create_model(config, data, torch.device("cpu"))
+    module = create_model(config, data, data.num_classes, torch.device("cpu"))
     optimizer = sgd(module, config)
     model, optimizer = fabric.setup(module, optimizer)
     loader = fabric.setup_dataloaders(plain_loader(data, config))

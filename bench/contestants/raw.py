@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, world: int) -> None:
     config = workload_config(args.workload, grad_accum_steps=args.grad_accum_steps)
     data = build_data(config)
     torch.manual_seed(config.seed)
-    module = create_model(config, data, torch.device("cpu"))
+    module = create_model(config, data, data.num_classes, torch.device("cpu"))
     model: nn.Module = DDP(module, gradient_as_bucket_view=True) if world > 1 else module
     counting = args.count_allreduce and isinstance(model, DDP)
     counter = AllReduceCounter().attach(model) if counting else None  # type: ignore[arg-type]

@@ -1,3 +1,32 @@
-"""ddptrain: a DistributedDataParallel training pipeline, correct on N ranks."""
+"""ddptrain: a distributed training pipeline, correct on N ranks.
+
+    from ddptrain import TrainingConfig, fit, Task, Hook
+
+`fit` runs the whole lifecycle (see `ddptrain.api`); `Task` is the interface of a task
+(`ddptrain.tasks`), `Hook` that of a step hook (`ddptrain.hooks`). They are imported on
+first use, so `ddptrain --help` answers without loading torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+__all__ = ["ConfigError", "Hook", "Task", "TrainingConfig", "fit"]
+
+_EXPORTS = {
+    "fit": "ddptrain.api", "TrainingConfig": "ddptrain.config", "ConfigError": "ddptrain.errors",
+    "Task": "ddptrain.tasks", "Hook": "ddptrain.hooks",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'ddptrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,9 +1,9 @@
 """Checkpoints that are never half-written and always load back exactly.
 
-Rank 0 writes a temporary file next to the target, fsyncs it and renames it into place,
-so a crash leaves either the old file or the new one, never a torn one; `latest.pt` is a
-hard link to the newest complete file, swapped in the same way. Every rank passes a
-barrier after the write so none reads ahead of it.
+Rank 0 writes a temporary file next to the target, fsyncs it and renames it into place
+(`ddptrain.files`), so a crash leaves either the old file or the new one, never a torn
+one; `latest.pt` is a hard link to the newest complete file, swapped in the same way.
+Every rank passes a barrier after the write so none reads ahead of it.
 
 The payload is plain tensors and containers: `torch.load(path, weights_only=True)` reads
 it, and a file that would need pickled code to load is refused.
@@ -25,13 +25,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain import __version__
-from ddptrain.config import ConfigError
 from ddptrain.distributed import DistributedContext
+from ddptrain.errors import ConfigError
+from ddptrain.files import fsync_dir, staged, temp_name
+from ddptrain.state import FORMAT, FORMAT_VERSION
 
 log = logging.getLogger("ddptrain")
 
-FORMAT = "ddptrain-checkpoint"
-FORMAT_VERSION = 1
 LATEST = "latest.pt"
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 
@@ -83,14 +83,6 @@ def gather_rng_states(ctx: DistributedContext) -> list[dict[str, Any]] | None:
 
 
 # ---------------------------------------------------------------------- writing
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_save(payload: dict[str, Any], path: Path, link: Path | None = None) -> None:
     """Write `payload` to `path` so that readers see the old file or the whole new one.
 
@@ -98,22 +90,17 @@ def atomic_save(payload: dict[str, Any], path: Path, link: Path | None = None) -
     gets its own name: a crash in between leaves `link` holding the newest state, never
     pointing behind it.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+    with staged(path) as tmp:
         with tmp.open("wb") as f:
             torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
         if link is not None:
-            swap = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+            with tmp.open("rb+") as f:
+                os.fsync(f.fileno())
+            swap = temp_name(link)
             swap.unlink(missing_ok=True)
             os.link(tmp, swap)
             os.replace(swap, link)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+            fsync_dir(link.parent)
 
 
 def prune(directory: Path, keep_last: int) -> None:
@@ -234,19 +221,42 @@ def find_resumable(directory: Path, device: torch.device) -> tuple[Path, dict[st
     return best
 
 
-def export_safetensors_state(state: dict[str, torch.Tensor], out: Path) -> int:
-    """Write model weights to a safetensors file atomically; returns the tensor count."""
-    from safetensors.torch import save_file
+def locate_resume(
+    source: str | None, directory: Path, device: torch.device
+) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint a run resumes from (`--resume_from PATH | auto`), or None."""
+    if source is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        # torchrun restarted this worker group after a failure: pick up where it was.
+        log.warning("restarted by torchrun: resuming from the newest checkpoint")
+        source = "auto"
+    if source is None:
+        return None
+    if source != "auto":
+        return Path(source), load_checkpoint(Path(source), device)
+    found = find_resumable(directory, device)
+    if found is None:
+        log.info("no checkpoint in %s: starting fresh", directory)
+    return found
 
-    weights = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        save_file(weights, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return len(weights)
+
+def export_safetensors_state(state: dict[str, torch.Tensor], out: Path) -> int:
+    """Write model weights to a safetensors file atomically; returns the tensor count.
+
+    Tied weights (one tensor under two names, like a language model's embedding and
+    output head) are stored once, under the name safetensors' own helper keeps; load the
+    file with `safetensors.torch.load_model(model, path)`, which restores the tie, or with
+    `model.load_state_dict(load_file(path), strict=False)`.
+    """
+    from safetensors.torch import _remove_duplicate_names, save_file
+
+    weights = {k: v.detach() for k, v in state.items()}
+    shared = _remove_duplicate_names(weights)  # {kept name: [aliases of the same tensor]}
+    aliases = {alias: name for name, names in shared.items() for alias in names}
+    tensors = {k: v.cpu().contiguous() for k, v in weights.items() if k not in aliases}
+    metadata = {"format": "pt", **{f"tied:{a}": n for a, n in aliases.items()}}
+    with staged(out) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+    return len(tensors)
 
 
 def export_safetensors(checkpoint: Path, out: Path) -> int:

@@ -12,7 +12,6 @@ other exit codes are listed in `ddptrain.errors`.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -20,98 +19,30 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain import __version__
-from ddptrain.config import ConfigError, ErrorParser, TrainingConfig, dump_yaml, parse_config
-from ddptrain.errors import EXIT_PEER_LOST, EXIT_USAGE, TrainingStopped
-
-
-def prepare_run_dir(config: TrainingConfig) -> None:
-    """Create the run directory and write the resolved config (rank 0, before the group)."""
-    for directory, flag in ((config.run_dir, "output_dir"), (config.ckpt_dir, "checkpoint_dir")):
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            probe = directory / f".write-test.{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise ConfigError(
-                f"--{flag} {str(directory)!r} is not writable ({exc.strerror}): "
-                "choose a directory you can write to"
-            ) from None
-    dump_yaml(config, config.run_dir / "config.yaml")
+from ddptrain.api import fit
+from ddptrain.config import ErrorParser, TrainingConfig, parse_config
+from ddptrain.errors import EXIT_PEER_LOST, EXIT_USAGE, ConfigError, TrainingStopped
 
 
 def train(config: TrainingConfig) -> dict[str, Any] | None:
     """Run training on this rank; returns the summary (rank 0) or None (other ranks)."""
-    # Imported here so that `--help` and config errors answer without loading torch.
-    from ddptrain.data import load_data
-    from ddptrain.distributed import (
-        read_cluster_env,
-        resolve_backend,
-        resolve_device,
-        setup_distributed,
-        teardown_distributed,
-    )
-    from ddptrain.log import setup_logging
-    from ddptrain.trainer import resolve_precision
-
-    cluster = read_cluster_env()
-    setup_logging(cluster.rank)
-    device = resolve_device(config, cluster.local_rank)
-    resolve_backend(config, device)
-    resolve_precision(config, device)
-    if config.sync_bn and device.type == "cpu" and cluster.world_size > 1:
-        raise ConfigError(
-            "--sync_bn is invalid on CPU: SyncBatchNorm needs CUDA devices; drop the flag"
-        )
-    # Everything a user can get wrong is checked before the process group starts, so a
-    # mistake ends the job at once instead of leaving peers waiting for a dead rank.
-    data = load_data(config)
-    if cluster.rank == 0:
-        prepare_run_dir(config)
-    ctx = setup_distributed(config, cluster)
-    clean = False
-    try:
-        summary = _fit(config, ctx, data)
-        clean = True
-    except TrainingStopped:
-        clean = True  # every rank stopped at the same agreed step
-        raise
-    finally:
-        teardown_distributed(clean)
-    if ctx.is_main:
-        _write_curves(config)
-    return summary if ctx.is_main else None
-
-
-def _write_curves(config: TrainingConfig) -> None:
-    """Leave `curves.png` in the run directory (rank 0), when matplotlib is installed."""
-    import logging
-
-    from ddptrain.plot import matplotlib_available, plot_runs
-
-    log = logging.getLogger("ddptrain")
-    if not matplotlib_available():
-        log.info("matplotlib is not installed: no curves.png (pip install 'ddptrain[viz]')")
-        return
-    log.info("curves %s", plot_runs([config.run_dir], config.run_dir / "curves.png"))
-
-
-def _fit(config: TrainingConfig, ctx: Any, data: Any) -> dict[str, Any]:
-    """Build and run the trainer. Its model, optimizer and loaders die with this frame,
-    before the process group is destroyed (see `teardown_distributed`)."""
-    from ddptrain.trainer import Trainer
-
-    return Trainer(config, ctx, data).fit()
+    summary = fit(config)
+    return summary if _rank() == "0" else None
 
 
 def _print_summary(config: TrainingConfig, summary: dict[str, Any]) -> None:
-    (config.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    best = summary["best_metric"]
+    val = " | ".join(
+        f"val {k.removeprefix('val_')} {v:.4f}" for k, v in summary.items()
+        if k.startswith("val_") and isinstance(v, float)
+    )
+    best_value = summary.get(f"best_val_{best}")
+    best_text = f"{best_value:.4f}" if isinstance(best_value, float) else "n/a"
     print(
         f"done: {summary['epochs']} epochs, {summary['steps']} steps on "
         f"{summary['world_size']} rank(s) in {summary['train_time_s']:.1f}s "
-        f"({summary['samples_per_sec']:,.0f} samples/s) | "
-        f"val loss {summary['val_loss']:.4f} | val accuracy {summary['val_accuracy']:.4f} "
-        f"(best {summary['best_val_accuracy']:.4f}) | run dir {config.run_dir}",
+        f"({summary['samples_per_sec']:,.0f} samples/s) | {val} "
+        f"(best {best} {best_text}, epoch {summary['best_epoch']}) | run dir {config.run_dir}",
         flush=True,
     )
 
@@ -219,8 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _rank() -> str:
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+
+
 def _report(text: str) -> None:
     """One line on stderr; ranks other than 0 say who they are."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    rank = _rank()
     prefix = "" if rank == "0" else f"[rank {rank}] "
     print(f"{prefix}ddptrain: {text}", file=sys.stderr, flush=True)

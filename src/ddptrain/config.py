@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import types
 import typing
@@ -22,12 +21,13 @@ from typing import Any, Literal, NoReturn
 
 import yaml
 
-BUILTIN_DATASETS = ("breast_cancer", "digits", "synthetic")
-BUILTIN_MODELS = ("auto", "mlp", "miniresnet")
+from ddptrain.errors import ConfigError
 
+BUILTIN_DATASETS = ("breast_cancer", "digits", "diabetes", "synthetic", "chars")
+BUILTIN_MODELS = ("auto", "mlp", "miniresnet", "gpt")
+BUILTIN_TASKS = ("auto", "classification", "regression", "multilabel", "lm")
 
-class ConfigError(ValueError):
-    """A setting the user chose is wrong; the message names it and says what to do."""
+__all__ = ["ConfigError", "TrainingConfig", "parse_config"]
 
 
 def _f(default: Any, help: str) -> Any:
@@ -41,17 +41,41 @@ class TrainingConfig:
     # Data and model
     dataset: str = _f(
         "breast_cancer",
-        "breast_cancer | digits | synthetic | path/to/data.npz (arrays x, y) | package.module:fn",
+        "breast_cancer | digits | diabetes | synthetic | chars | path/to/data.npz (arrays x, "
+        "y) | path/to/x.npy (y.npy beside it, memory-mapped) | package.module:fn",
+    )
+    dataset_args: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "key=value arguments for a module:fn dataset"}
     )
     model: str = _f(
-        "auto", "auto (mlp for features, miniresnet for images) | mlp | miniresnet | module:fn"
+        "auto",
+        "auto (gpt for token windows, miniresnet for images, else mlp) | mlp | miniresnet | "
+        "gpt | module:fn",
+    )
+    model_args: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "key=value arguments for a module:fn model"}
+    )
+    task: str = _f(
+        "auto",
+        "auto (integer targets: classification, float: regression, token windows: lm) | "
+        "classification | regression | multilabel | lm | module:fn",
+    )
+    task_args: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "key=value arguments for a module:fn task"}
     )
     num_classes: int | None = _f(None, "number of classes (default: from the dataset)")
     in_channels: int | None = _f(None, "image channels (default: from the dataset)")
     image_size: int | None = _f(None, "image side in pixels (default: from the dataset)")
-    width: int = _f(64, "MiniResNet stem channels (stages use 1x, 2x, 4x) / MLP hidden units")
+    width: int = _f(
+        64, "MiniResNet stem channels (stages use 1x, 2x, 4x) / MLP hidden units / GPT width"
+    )
+    block_size: int = _f(64, "tokens per sample of the chars dataset (the GPT context)")
     sync_bn: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm")
-    val_fraction: float = _f(0.2, "share of the data held out for validation (fixed by --seed)")
+    val_fraction: float | None = _f(
+        None,
+        "share of the data held out for validation, fixed by --seed (default 0.2; refused "
+        "for a module:fn dataset that returns its own validation set)",
+    )
     synthetic_size: int = _f(50_000, "number of samples of the synthetic dataset")
     batch_size: int = _f(64, "samples per rank per micro-step")
     num_workers: int = _f(
@@ -97,6 +121,10 @@ class TrainingConfig:
     tensorboard: bool = _f(
         True, "write TensorBoard event files when the tensorboard package is installed"
     )
+    tracker: Literal["none", "mlflow"] = _f(
+        "none", "experiment tracker: mlflow logs params, metrics and artifacts to "
+        "MLFLOW_TRACKING_URI (default: a store in the run directory)",
+    )
     seed: int = _f(42, "seed of weights, data split, shuffling and workers")
 
     # ------------------------------------------------------------------ derived values
@@ -114,7 +142,9 @@ class TrainingConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> TrainingConfig:
         """Refuse values no run can use; each message names the field, the value, the fix."""
-        positive = ("batch_size", "epochs", "grad_accum_steps", "log_interval", "width")
+        positive = (
+            "batch_size", "epochs", "grad_accum_steps", "log_interval", "width", "block_size"
+        )
         for name in positive:
             value = getattr(self, name)
             if value < 1:
@@ -137,7 +167,7 @@ class TrainingConfig:
                 _bad(name, value, "use a value of 0 or more")
         if not self.lr > 0:
             _bad("lr", self.lr, "use a positive learning rate such as 0.01")
-        if not 0 < self.val_fraction < 1:
+        if self.val_fraction is not None and not 0 < self.val_fraction < 1:
             _bad("val_fraction", self.val_fraction, "use a fraction between 0 and 1, e.g. 0.2")
         if not self.timeout_s > 0:
             _bad("timeout_s", self.timeout_s, "use a positive number of seconds")
@@ -146,6 +176,8 @@ class TrainingConfig:
         self._validate_dataset()
         if not (self.model in BUILTIN_MODELS or _is_import_ref(self.model)):
             _bad("model", self.model, f"choose one of {', '.join(BUILTIN_MODELS)} or module:fn")
+        if not (self.task in BUILTIN_TASKS or _is_import_ref(self.task)):
+            _bad("task", self.task, f"choose one of {', '.join(BUILTIN_TASKS)} or module:fn")
         if self.resume_from not in (None, "auto") and not Path(self.resume_from).is_file():
             _bad("resume_from", self.resume_from, "give an existing checkpoint file, or 'auto'")
         return self
@@ -158,12 +190,24 @@ class TrainingConfig:
             if not Path(ds).is_file():
                 _bad("dataset", ds, "no such file; give the path of an .npz with arrays x and y")
             return
+        if ds.endswith(".npy"):
+            if not Path(ds).stem.endswith("x"):
+                _bad("dataset", ds, "name the inputs file x.npy or NAME_x.npy (targets: y.npy)")
+            for path in (Path(ds), npy_targets(Path(ds))):
+                if not path.is_file():
+                    _bad("dataset", ds, f"no such file {str(path)!r}; put y.npy beside x.npy")
+            return
         _bad(
             "dataset",
             ds,
-            f"choose one of {', '.join(BUILTIN_DATASETS)}, a path to an .npz file, "
+            f"choose one of {', '.join(BUILTIN_DATASETS)}, a path to an .npz or x.npy file, "
             "or package.module:fn",
         )
+
+
+def npy_targets(inputs: Path) -> Path:
+    """The targets file beside an inputs file: x.npy -> y.npy, train_x.npy -> train_y.npy."""
+    return inputs.with_name(inputs.stem[:-1] + "y.npy")
 
 
 def _is_import_ref(value: str) -> bool:
@@ -213,6 +257,26 @@ def _converter(name: str, tp: Any) -> Any:
     return convert
 
 
+def _parse_pair(text: str) -> tuple[str, Any]:
+    """`key=value`; the value is read as YAML, so 3 is an int, true a bool, a/b a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    try:
+        return key, yaml.safe_load(value) if value else ""
+    except yaml.YAMLError:
+        return key, value
+
+
+class _MergePairs(argparse.Action):
+    """`--model_args a=1 b=x --model_args c=2` -> {'a': 1, 'b': 'x', 'c': 2}."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        merged = dict(getattr(namespace, self.dest) or {})
+        merged.update(values)
+        setattr(namespace, self.dest, merged)
+
+
 def _parse_bool(text: str) -> bool:
     lowered = str(text).lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -231,7 +295,14 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainingConfig):
         tp = hints[f.name]
         base, _ = _field_type(tp)
-        help_text = f"{f.metadata['help']} (default: {f.default})"
+        default = {} if f.default is dataclasses.MISSING else f.default
+        help_text = f"{f.metadata['help']} (default: {default})"
+        if typing.get_origin(base) is dict:
+            parser.add_argument(
+                f"--{f.name}", type=_parse_pair, nargs="+", action=_MergePairs, default={},
+                metavar="KEY=VALUE", help=help_text,
+            )
+            continue
         if base is bool:
             parser.add_argument(
                 f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default,
@@ -263,6 +334,10 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{name}: {value!r} in the config file is invalid: use true or false")
+    if typing.get_origin(base) is dict:
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return value
+        raise ConfigError(f"{name}: {value!r} in the config file is invalid: use a mapping")
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if base is int and isinstance(value, float) and value.is_integer():
@@ -324,6 +399,6 @@ def parse_config(argv: list[str] | None = None) -> TrainingConfig:
 
 def dump_yaml(config: TrainingConfig, path: Path) -> None:
     """Write the resolved config so the run can be repeated with `--config`."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    os.replace(tmp, path)
+    from ddptrain.files import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

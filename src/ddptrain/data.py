@@ -1,20 +1,27 @@
-"""Datasets and the per-rank loaders that shard them.
+"""Datasets, and how each epoch's samples are laid out over ranks and micro-batches.
 
-Built-in datasets ship with scikit-learn (no download): `breast_cancer` (30 features, 2
-classes, seed 004's classifier), `digits` (1x8x8 images, 10 classes) and `synthetic`
-(3x32x32 images for throughput work). Users bring `path/to/data.npz` (arrays `x`, `y`) or
-`package.module:fn` returning `(train_dataset, val_dataset)`.
+Built in (no download): `breast_cancer` (30 features, 2 classes, seed 004's classifier),
+`digits` (1x8x8 images, 10 classes), `diabetes` (10 features, a float target: regression),
+`synthetic` (3x32x32 images for throughput work) and `chars` (a character-level corpus for
+`--model gpt`, see `ddptrain.text`). Users bring `path/to/data.npz` (arrays `x`, `y`),
+`path/to/x.npy` with `y.npy` beside it (memory-mapped, never loaded whole), or
+`package.module:fn` returning `(train, val)`, or one dataset that `--val_fraction` splits;
+a map-style `Dataset` or an `IterableDataset`.
 
-The train/validation split depends on `--seed` alone, never on the world size, so a run
-on 1 rank and on N ranks see the same samples.
+The layout of an epoch (map-style data) is a function of (seed, epoch) and the global
+micro-batch alone: the epoch's order is a seeded permutation, cut into consecutive global
+micro-batches of `world_size x batch_size` samples, and each one is split across the ranks
+as evenly as it goes: no sample is repeated to pad a shard, and the last global batch of
+an epoch may give a rank fewer samples, or none. So N ranks x batch B see exactly the
+samples of 1 rank x batch N*B, and a position in the epoch is a count of global samples.
 """
 
 from __future__ import annotations
 
-import importlib
-import itertools
+import logging
 import math
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,22 +29,28 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.distributed import DistributedSampler
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 
-from ddptrain.config import ConfigError, TrainingConfig
+from ddptrain.batches import first_tensor, num_samples, split
+from ddptrain.config import TrainingConfig, npy_targets
 from ddptrain.distributed import DistributedContext
+from ddptrain.errors import ConfigError
+from ddptrain.plugins import call_factory
+from ddptrain.tasks import DataFacts
+
+log = logging.getLogger("ddptrain")
 
 
 class ArrayDataset(Dataset):
-    """Samples held in memory as tensors.
+    """Samples held in memory (or memory-mapped) arrays.
 
-    `__getitems__` lets the DataLoader fetch a whole batch with one indexing operation
-    instead of collating `batch_size` single samples: for small models this is most of
-    the data-loading cost of a hand-written loop.
+    `batch(idx)` fetches a whole batch with one indexing operation instead of collating
+    `batch_size` single samples: for small models this is most of the data-loading cost of
+    a hand-written loop. `__getitems__` lets a DataLoader take the same path.
     """
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, scale: float | None = None) -> None:
+    def __init__(self, x: Any, y: Any, scale: float | None = None) -> None:
         if len(x) != len(y):
             raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
         self.x, self.y, self.scale = x, y, scale
@@ -49,7 +62,8 @@ class ArrayDataset(Dataset):
         return x.float().mul_(self.scale) if self.scale is not None else x
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._convert(self.x[i]), self.y[i]
+        x, y = self.batch(torch.tensor([i]))
+        return x[0], y[0]
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.batch(torch.as_tensor(indices, dtype=torch.long))
@@ -58,33 +72,31 @@ class ArrayDataset(Dataset):
         return self._convert(self.x[idx]), self.y[idx]
 
 
-class ArrayLoader:
-    """Batches of an `ArrayDataset`, sliced in-process in the sampler's order.
+class MemmapDataset(ArrayDataset):
+    """Rows of memory-mapped `.npy` arrays: a batch reads only its own rows from disk."""
 
-    What a DataLoader with `num_workers=0` does, without its per-batch machinery (fetcher,
-    collate, pin-memory checks): for millisecond steps that machinery is most of the time
-    spent waiting for data.
-    """
+    def __init__(self, x: np.ndarray, y: np.ndarray, rows: np.ndarray) -> None:
+        super().__init__(rows, rows)
+        self.mx, self.my = x, y
 
-    def __init__(
-        self, dataset: ArrayDataset, sampler: torch.utils.data.Sampler[int], batch_size: int,
-        drop_last: bool,
-    ) -> None:
-        self.dataset, self.sampler = dataset, sampler
-        self.batch_size, self.drop_last = batch_size, drop_last
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.x[idx.numpy()]
+        order = np.argsort(rows)  # sorted reads are sequential on disk
+        x, y = np.empty((len(rows), *self.mx.shape[1:]), self.mx.dtype), self.my[rows]
+        x[order] = self.mx[rows[order]]
+        return torch.from_numpy(_as_float(x)), torch.from_numpy(_targets(y))
 
-    def __len__(self) -> int:
-        full, rest = divmod(len(self.sampler), self.batch_size)  # type: ignore[arg-type]
-        return full + (1 if rest and not self.drop_last else 0)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        order = torch.as_tensor(list(self.sampler), dtype=torch.long)
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
-            yield self.dataset.batch(order[start : start + self.batch_size])
+def _as_float(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32, copy=False)
+
+
+def _targets(y: np.ndarray) -> np.ndarray:
+    return y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
 
 
 def _batched(batch: Any) -> Any:
-    """Collate for `ArrayDataset`: its `__getitems__` already returns a batch."""
+    """Collate for datasets whose `__getitems__` already returns a batch."""
     return batch
 
 
@@ -92,12 +104,23 @@ def _batched(batch: Any) -> Any:
 class DataBundle:
     train: Dataset
     val: Dataset
-    num_classes: int
-    input_shape: tuple[int, ...]  # one sample, e.g. (30,) or (1, 8, 8)
+    facts: DataFacts
+
+    @property
+    def num_classes(self) -> int | None:
+        return self.facts.num_classes
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.facts.input_shape
 
     @property
     def is_image(self) -> bool:
         return len(self.input_shape) == 3
+
+    @property
+    def iterable(self) -> bool:
+        return isinstance(self.train, IterableDataset)
 
 
 # ---------------------------------------------------------------------- built-in data
@@ -112,35 +135,52 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, n
     return perm[n_val:], perm[:n_val]
 
 
+def val_fraction(config: TrainingConfig) -> float:
+    return 0.2 if config.val_fraction is None else config.val_fraction
+
+
+def _standardize(a: np.ndarray, train_idx: np.ndarray) -> np.ndarray:
+    """Statistics of the training split only: no leak from validation."""
+    return (a - a[train_idx].mean(axis=0)) / (a[train_idx].std(axis=0) + 1e-6)
+
+
 def _bundle(
     x: np.ndarray, y: np.ndarray, config: TrainingConfig, standardize: bool = False
 ) -> DataBundle:
-    y = y.astype(np.int64)
-    num_classes = _check_labels(y, config.num_classes, source=config.dataset)
-    train_idx, val_idx = split_indices(len(y), config.val_fraction, config.seed)
+    _check_targets(y, config.dataset)
+    train_idx, val_idx = split_indices(len(y), val_fraction(config), config.seed)
     x = x.astype(np.float32)
-    if standardize:  # statistics of the training split only: no leak from validation
-        mean = x[train_idx].mean(axis=0)
-        std = x[train_idx].std(axis=0) + 1e-6
-        x = (x - mean) / std
+    y = _targets(y)
+    if standardize:
+        x = _standardize(x, train_idx).astype(np.float32)
     xt, yt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
     train = ArrayDataset(xt[train_idx], yt[train_idx])
     val = ArrayDataset(xt[val_idx], yt[val_idx])
-    return DataBundle(train, val, num_classes, tuple(x.shape[1:]))
+    return DataBundle(train, val, _array_facts(x.shape[1:], y, config))
 
 
-def _check_labels(y: np.ndarray, num_classes: int | None, source: str) -> int:
-    if y.ndim != 1:
-        raise ConfigError(f"--dataset {source!r}: labels y must be 1-D, got shape {y.shape}")
+def _array_facts(input_shape: tuple[int, ...], y: np.ndarray, config: TrainingConfig) -> DataFacts:
+    is_float = not np.issubdtype(y.dtype, np.integer)
+    num_classes = None
+    if not is_float and y.ndim == 1:
+        num_classes = _num_classes(int(y.min()), int(y.max()), config)
+    return DataFacts(tuple(input_shape), tuple(y.shape[1:]), is_float, num_classes)
+
+
+def _check_targets(y: np.ndarray, source: str) -> None:
     if len(y) == 0:
         raise ConfigError(f"--dataset {source!r} holds no samples")
-    lo, hi = int(y.min()), int(y.max())
-    if num_classes is None:
-        num_classes = max(hi + 1, 2)
+    if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
+        raise ConfigError(f"--dataset {source!r}: y must be numeric, got {y.dtype}")
+
+
+def _num_classes(lo: int, hi: int, config: TrainingConfig) -> int:
+    num_classes = config.num_classes or max(hi + 1, 2)
     if lo < 0 or hi >= num_classes:
         raise ConfigError(
-            f"--dataset {source!r} has labels in {lo}..{hi} but --num_classes is {num_classes}: "
-            f"labels must be in 0..{num_classes - 1}; raise --num_classes or fix the labels"
+            f"--dataset {config.dataset!r} has labels in {lo}..{hi} but --num_classes is "
+            f"{num_classes}: labels must be in 0..{num_classes - 1}; raise --num_classes or "
+            "fix the labels"
         )
     return num_classes
 
@@ -160,6 +200,18 @@ def _digits(config: TrainingConfig) -> DataBundle:
     return _bundle(x, data.target, config)
 
 
+def _diabetes(config: TrainingConfig) -> DataBundle:
+    """442 patients, 10 features, disease progression after a year (a float). The target
+    is standardized with the training split's statistics, so MSE is in units of its
+    variance (and r2 = 1 - MSE on the training split's scale)."""
+    from sklearn.datasets import load_diabetes
+
+    data = load_diabetes()
+    train_idx, _ = split_indices(len(data.target), val_fraction(config), config.seed)
+    y = _standardize(data.target.astype(np.float64), train_idx).astype(np.float32)
+    return _bundle(data.data, y, config, standardize=True)
+
+
 def _synthetic(config: TrainingConfig) -> DataBundle:
     """Images with a learnable class signal: a per-class template under uniform noise.
 
@@ -177,12 +229,21 @@ def _synthetic(config: TrainingConfig) -> DataBundle:
     for start in range(0, n, 4096):  # blend in chunks to bound the float temporaries
         sl = slice(start, start + 4096)
         x[sl] = (0.5 * x[sl] + 0.5 * templates[y[sl]]).astype(np.uint8)
-    train_idx, val_idx = split_indices(n, config.val_fraction, config.seed)
+    train_idx, val_idx = split_indices(n, val_fraction(config), config.seed)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     scale = 1.0 / 255.0
     train = ArrayDataset(xt[train_idx], yt[train_idx], scale=scale)
     val = ArrayDataset(xt[val_idx], yt[val_idx], scale=scale)
-    return DataBundle(train, val, classes, (channels, side, side))
+    return DataBundle(train, val, DataFacts((channels, side, side), (), False, classes))
+
+
+def _chars(config: TrainingConfig) -> DataBundle:
+    from ddptrain.text import char_lm_datasets
+
+    train, val, vocab, _ = char_lm_datasets(config.block_size, val_fraction(config), config.seed)
+    train, val = ArrayDataset(train.x, train.y), ArrayDataset(val.x, val.y)
+    facts = DataFacts((config.block_size,), (config.block_size,), False, vocab_size=vocab)
+    return DataBundle(train, val, facts)
 
 
 def _npz(config: TrainingConfig) -> DataBundle:
@@ -203,89 +264,370 @@ def _npz(config: TrainingConfig) -> DataBundle:
             f"--dataset {str(path)!r} is not a readable .npz file ({type(exc).__name__}): "
             "save it with np.savez(path, x=..., y=...)"
         ) from None
-    if not np.issubdtype(y.dtype, np.integer):
-        raise ConfigError(f"--dataset {str(path)!r}: y must hold integer class labels")
-    if not (np.issubdtype(x.dtype, np.number) and x.ndim in (2, 3, 4)):
-        raise ConfigError(
-            f"--dataset {str(path)!r}: x must be numeric with shape (N, F), (N, H, W) or "
-            f"(N, C, H, W); got {x.dtype} {x.shape}"
-        )
-    if len(x) != len(y):
-        raise ConfigError(f"--dataset {str(path)!r}: x has {len(x)} samples but y has {len(y)}")
+    _check_arrays(x, y, str(path))
     if x.ndim == 3:
         x = x[:, None]
     return _bundle(x, y, config)
 
 
-def _user_datasets(config: TrainingConfig) -> DataBundle:
-    train, val = load_ref(config.dataset, "dataset")(config)
-    sample_x = train[0][0]
-    num_classes = config.num_classes or getattr(train, "num_classes", None)
-    if num_classes is None:
+def _check_arrays(x: np.ndarray, y: np.ndarray, source: str) -> None:
+    if not (np.issubdtype(x.dtype, np.number) and x.ndim in (2, 3, 4)):
         raise ConfigError(
-            f"--dataset {config.dataset!r} does not say how many classes it has: "
-            "pass --num_classes, or give the dataset a num_classes attribute"
+            f"--dataset {source!r}: x must be numeric with shape (N, F), (N, H, W) or "
+            f"(N, C, H, W); got {x.dtype} {x.shape}"
         )
-    return DataBundle(train, val, int(num_classes), tuple(torch.as_tensor(sample_x).shape))
+    if len(x) != len(y):
+        raise ConfigError(f"--dataset {source!r}: x has {len(x)} samples but y has {len(y)}")
+    _check_targets(y, source)
 
 
-def load_ref(ref: str, what: str) -> Any:
-    """Import `package.module:name`, reporting a failure as one line."""
-    module_name, _, attr = ref.partition(":")
+def _npy(config: TrainingConfig) -> DataBundle:
+    """`x.npy` + `y.npy`, memory-mapped: batches read their rows from the page cache, so
+    a file larger than memory trains."""
+    xpath = Path(config.dataset)
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
+        x = np.load(xpath, mmap_mode="r", allow_pickle=False)
+        y = np.load(npy_targets(xpath), mmap_mode="r", allow_pickle=False)
+    except Exception as exc:
         raise ConfigError(
-            f"--{what} {ref!r}: cannot import {module_name!r} ({exc}): "
-            "check the module is on PYTHONPATH"
+            f"--dataset {str(xpath)!r} is not a readable .npy pair ({type(exc).__name__}): "
+            "save them with np.save('x.npy', x) and np.save('y.npy', y)"
         ) from None
+    _check_arrays(x, y, str(xpath))
+    if x.ndim == 3:
+        raise ConfigError(f"--dataset {str(xpath)!r}: save (N, H, W) images as (N, 1, H, W)")
+    train_idx, val_idx = split_indices(len(y), val_fraction(config), config.seed)
+    y_mem = np.asarray(y)  # targets are small next to inputs: read them once
+    facts = _array_facts(x.shape[1:], y_mem, config)
+    return DataBundle(
+        MemmapDataset(x, y_mem, train_idx), MemmapDataset(x, y_mem, val_idx), facts
+    )
+
+
+def _user_datasets(config: TrainingConfig) -> DataBundle:
+    made = call_factory(config.dataset, "dataset", config, config.dataset_args, {})
+    return bundle_datasets(made, config)
+
+
+def bundle_datasets(made: Any, config: TrainingConfig) -> DataBundle:
+    """A user's `(train, val)` pair, or one dataset that `--val_fraction` splits."""
+    if isinstance(made, (tuple, list)) and len(made) == 2:
+        if config.val_fraction is not None:
+            raise ConfigError(
+                f"--val_fraction {config.val_fraction} cannot apply: --dataset "
+                f"{config.dataset!r} returns its own validation set; drop the flag, or "
+                "return one dataset for ddptrain to split"
+            )
+        train, val = made
+    elif isinstance(made, Dataset):
+        if isinstance(made, IterableDataset):
+            raise ConfigError(
+                f"--dataset {config.dataset!r} returned one IterableDataset, which cannot be "
+                "split: return (train, val)"
+            )
+        train_idx, val_idx = split_indices(len(made), val_fraction(config), config.seed)  # type: ignore[arg-type]
+        train, val = Subset(made, train_idx.tolist()), Subset(made, val_idx.tolist())
+    else:
+        raise ConfigError(
+            f"--dataset {config.dataset!r} gave {type(made).__name__}: give "
+            "(train_dataset, val_dataset) or one map-style Dataset"
+        )
+    return DataBundle(train, val, _probe(train, config))
+
+
+def _attr(dataset: Any, name: str) -> Any:
+    while dataset is not None:
+        if getattr(dataset, name, None) is not None:
+            return getattr(dataset, name)
+        dataset = getattr(dataset, "dataset", None)  # through Subset and friends
+    return None
+
+
+def _probe(train: Dataset, config: TrainingConfig) -> DataFacts:
+    """Read the facts a task and a model need from the first training sample."""
     try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ConfigError(f"--{what} {ref!r}: {module_name!r} has no {attr!r}") from None
+        sample = next(iter(train)) if isinstance(train, IterableDataset) else train[0]
+    except (IndexError, StopIteration):
+        raise ConfigError(f"--dataset {config.dataset!r} holds no training samples") from None
+    dict_batches = isinstance(sample, dict)
+    inputs, target = split(sample)
+    x = first_tensor(inputs) if not isinstance(inputs, (np.ndarray, int, float)) else inputs
+    input_shape = () if dict_batches or x is None else tuple(torch.as_tensor(x).shape)
+    num_classes = config.num_classes or _attr(train, "num_classes")
+    if target is None:
+        return DataFacts(input_shape, None, False, num_classes, _attr(train, "vocab_size"), True)
+    t = torch.as_tensor(target)
+    return DataFacts(
+        input_shape, tuple(t.shape), t.is_floating_point(),
+        int(num_classes) if num_classes is not None else None,
+        _attr(train, "vocab_size"), dict_batches,
+    )
 
 
 def load_data(config: TrainingConfig) -> DataBundle:
-    builders = {"breast_cancer": _breast_cancer, "digits": _digits, "synthetic": _synthetic}
+    builders = {
+        "breast_cancer": _breast_cancer, "digits": _digits, "diabetes": _diabetes,
+        "synthetic": _synthetic, "chars": _chars,
+    }
     if config.dataset in builders:
         return builders[config.dataset](config)
     if config.dataset.endswith(".npz"):
         return _npz(config)
+    if config.dataset.endswith(".npy"):
+        return _npy(config)
     return _user_datasets(config)
 
 
-# ---------------------------------------------------------------------- sharding
-class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch part-way, for an exact mid-epoch resume.
+# ---------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class Micro:
+    """One micro-batch of this rank in an epoch's plan."""
 
-    The order of an epoch is a function of (seed, epoch) only; `set_start(k)` skips the
-    first k indices of this rank's shard for the current epoch (none are replayed, none
-    lost) and is cleared by the next `set_epoch`.
-    """
+    lo: int  # this rank's samples are order[lo:hi]
+    hi: int
+    pad: bool  # no sample of the global batch fell to this rank: order[lo:hi] is a
+    #            stand-in whose loss weight is 0, so every rank runs the same steps
+    global_samples: int  # samples of the global micro-batch (every rank)
+    window_samples: int  # samples of the optimizer step it belongs to (every rank)
+    ends_window: bool  # the last micro-batch of its optimizer step
+    position: int  # global samples of the epoch consumed once it is done
 
-    def __init__(self, dataset: Dataset, ctx: DistributedContext, seed: int, drop_last: bool):
-        super().__init__(
-            dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed,
-            drop_last=drop_last,
-        )
-        self.start = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
-        self.start = 0
+def plan_epoch(
+    n: int, world_size: int, rank: int, batch_size: int, accum: int, drop_last: bool,
+    start: int = 0,
+) -> list[Micro]:
+    """This rank's micro-batches of one epoch, from global position `start` on."""
+    step = world_size * batch_size
+    end = n - (n - start) % step if drop_last else n
+    bounds = [(lo, min(lo + step, end)) for lo in range(start, end, step)]
+    plan: list[Micro] = []
+    for w in range(0, len(bounds), accum):
+        window = bounds[w : w + accum]
+        total = window[-1][1] - window[0][0]
+        for i, (lo, hi) in enumerate(window):
+            size = hi - lo
+            base, extra = divmod(size, world_size)
+            a = lo + rank * base + min(rank, extra)
+            b = a + base + (1 if rank < extra else 0)
+            pad = a == b
+            if pad:
+                a, b = lo, lo + 1
+            plan.append(Micro(a, b, pad, size, total, i == len(window) - 1, hi))
+    return plan
 
-    def set_start(self, start: int) -> None:
-        if not 0 <= start <= self.num_samples:
-            raise ValueError(f"start {start} outside this rank's {self.num_samples} samples")
-        self.start = start
 
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(super().__iter__(), self.start, None)
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The epoch's sample order: a function of (seed, epoch) alone."""
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    return torch.randperm(n, generator=g)
+
+
+def samples_dropped(n: int, world_size: int, batch_size: int, drop_last: bool) -> int:
+    return n % (world_size * batch_size) if drop_last else 0
+
+
+def steps_per_epoch(
+    n: int, world_size: int, batch_size: int, accum: int, drop_last: bool
+) -> int:
+    """Optimizer steps in an epoch: a short last accumulation window still steps."""
+    used = n - samples_dropped(n, world_size, batch_size, drop_last)
+    return math.ceil(math.ceil(used / (world_size * batch_size)) / accum)
+
+
+class PlanSampler(torch.utils.data.Sampler[list[int]]):
+    """Yields the index lists of the current epoch's plan (for a DataLoader)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return len(self.batches)
 
 
+def _seed_worker(worker_id: int) -> None:
+    # torch seeds each worker from the loader's generator; python and numpy follow it
+    # so that augmentations in user datasets differ across workers and ranks. Workers
+    # leave SIGINT/SIGTERM to the main process, which decides when to stop.
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _dataloader(
+    dataset: Dataset, config: TrainingConfig, ctx: DistributedContext, **kwargs: Any
+) -> DataLoader:
+    generator = torch.Generator()
+    generator.manual_seed(config.seed + ctx.rank)
+    workers = config.num_workers
+    batched = hasattr(dataset, "__getitems__") and hasattr(dataset, "batch")
+    return DataLoader(
+        dataset,
+        num_workers=workers,
+        collate_fn=_batched if batched else None,
+        pin_memory=ctx.device.type == "cuda",  # page-locked memory only helps a GPU copy
+        persistent_workers=workers > 0,
+        worker_init_fn=_seed_worker if workers > 0 else None,
+        generator=generator,
+        **kwargs,
+    )
+
+
+class TrainBatches:
+    """The training batches of this rank, epoch by epoch, in the planned layout."""
+
+    def __init__(self, dataset: Dataset, config: TrainingConfig, ctx: DistributedContext):
+        self.dataset, self.config, self.ctx = dataset, config, ctx
+        self.n = len(dataset)  # type: ignore[arg-type]
+        if config.drop_last and self.n < ctx.world_size * config.batch_size:
+            raise ConfigError(
+                f"--drop_last with --batch_size {config.batch_size} on {ctx.world_size} "
+                f"rank(s) drops all {self.n} training samples: lower --batch_size"
+            )
+        self.steps_per_epoch = steps_per_epoch(
+            self.n, ctx.world_size, config.batch_size, config.grad_accum_steps, config.drop_last
+        )
+        self.in_process = isinstance(dataset, ArrayDataset) and config.num_workers == 0
+        self.sampler = PlanSampler()
+        self.loader = None if self.in_process else _dataloader(
+            dataset, config, ctx, batch_sampler=self.sampler
+        )
+
+    def plan(self, epoch: int, start: int) -> tuple[torch.Tensor, list[Micro]]:
+        cfg, ctx = self.config, self.ctx
+        plan = plan_epoch(
+            self.n, ctx.world_size, ctx.rank, cfg.batch_size, cfg.grad_accum_steps,
+            cfg.drop_last, start,
+        )
+        return epoch_order(self.n, cfg.seed, epoch), plan
+
+    def epoch(self, epoch: int, start: int) -> Iterator[tuple[Any, Micro, float]]:
+        """(batch, its place in the plan, seconds waited for it) from position `start`."""
+        order, plan = self.plan(epoch, start)
+        it = self.batches(order, plan)
+        for micro in plan:
+            t0 = time.perf_counter()
+            batch = next(it)
+            yield batch, micro, time.perf_counter() - t0
+
+    def batches(self, order: torch.Tensor, plan: list[Micro]) -> Iterator[Any]:
+        if self.in_process:
+            dataset: ArrayDataset = self.dataset  # type: ignore[assignment]
+            for m in plan:
+                yield dataset.batch(order[m.lo : m.hi])
+            return
+        self.sampler.batches = [order[m.lo : m.hi].tolist() for m in plan]
+        yield from self.loader  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------- iterable data
+class RankShard(IterableDataset):
+    """Every (world_size x workers)-th item of an iterable dataset, for one (rank, worker):
+    every item lands on exactly one of them."""
+
+    def __init__(self, dataset: IterableDataset, world_size: int, rank: int) -> None:
+        self.dataset, self.world_size, self.rank = dataset, world_size, rank
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        workers, wid = (info.num_workers, info.id) if info else (1, 0)
+        stride = self.world_size * workers
+        offset = self.rank * workers + wid
+        for i, item in enumerate(self.dataset):
+            if i % stride == offset:
+                yield item
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+
+class IterableBatches:
+    """An iterable dataset's batches on this rank. Ranks agree before each micro-batch on
+    whether every rank has one more (one small all-reduce), so all run the same steps: the
+    shortest shard decides, and what the others hold beyond it is counted as dropped."""
+
+    def __init__(
+        self, dataset: IterableDataset, config: TrainingConfig, ctx: DistributedContext
+    ) -> None:
+        self.loader = make_iterable_loader(dataset, config, ctx)
+        self.ctx, self.accum = ctx, config.grad_accum_steps
+        self._flag = torch.zeros(1, device=ctx.device)
+        try:
+            n = len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            n = 0
+        if not n and config.warmup_epochs:
+            raise ConfigError(
+                f"--warmup_epochs {config.warmup_epochs} needs the length of an epoch, and "
+                f"--dataset {config.dataset!r} is an IterableDataset without __len__: give "
+                "it __len__ (its number of samples) or drop the flag"
+            )
+        if not n:
+            log.warning("IterableDataset without __len__: the learning rate stays at --lr")
+        self.steps_per_epoch = steps_per_epoch(
+            n, ctx.world_size, config.batch_size, config.grad_accum_steps, config.drop_last
+        )
+
+    def _pull(self, it: Iterator[Any]) -> tuple[Any, bool, float]:
+        t0 = time.perf_counter()
+        batch = next(it, None)
+        self._flag.fill_(0.0 if batch is None else 1.0)
+        if self.ctx.distributed:
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MIN)
+        return batch, bool(self._flag.item()), time.perf_counter() - t0
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[Any, Micro, float]]:
+        """(batch, its place, seconds waited) for each micro-batch of the epoch (an
+        iterable dataset always starts at its beginning)."""
+        self.loader.dataset.set_epoch(epoch)  # type: ignore[attr-defined]
+        it = iter(self.loader)
+        batch, ok, waited = self._pull(it)
+        i = 0
+        while ok:
+            nxt, more, wait_next = self._pull(it)  # one ahead: is this one the last?
+            micro = Micro(0, 0, False, 0, 0, not more or (i + 1) % self.accum == 0, 0)
+            yield batch, micro, waited
+            batch, ok, waited, i = nxt, more, wait_next, i + 1
+        self._count_dropped(epoch, [batch] if batch is not None else [], it)
+
+    def _count_dropped(self, epoch: int, held: list[Any], it: Iterator[Any]) -> None:
+        left = sum(num_samples(*split(b)) for b in [*held, *it])
+        total = torch.tensor([float(left)], device=self.ctx.device)
+        if self.ctx.distributed:
+            dist.all_reduce(total)
+        if total.item():
+            log.info(
+                "epoch %d: %d samples of the longer shards dropped so that every rank ran "
+                "the same number of steps", epoch, int(total.item()),
+            )
+
+
+def make_train_batches(
+    dataset: Dataset, config: TrainingConfig, ctx: DistributedContext
+) -> TrainBatches | IterableBatches:
+    if isinstance(dataset, IterableDataset):
+        return IterableBatches(dataset, config, ctx)
+    return TrainBatches(dataset, config, ctx)
+
+
+def make_iterable_loader(
+    dataset: IterableDataset, config: TrainingConfig, ctx: DistributedContext,
+    batch_size: int | None = None,
+) -> DataLoader:
+    shard = RankShard(dataset, ctx.world_size, ctx.rank)
+    return _dataloader(shard, config, ctx, batch_size=batch_size or config.batch_size)
+
+
+# ---------------------------------------------------------------------- validation
 class ShardSampler(torch.utils.data.Sampler[int]):
     """Evaluation shard: rank r takes samples r, r+N, ... with no padding.
 
@@ -303,65 +645,22 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         return len(self.indices)
 
 
-def _seed_worker(worker_id: int) -> None:
-    # torch seeds each worker from the loader's generator; python and numpy follow it
-    # so that augmentations in user datasets differ across workers and ranks.
-    seed = torch.initial_seed() % 2**32
-    np.random.seed(seed)
-    random.seed(seed)
-
-
-def _loader(
-    dataset: Dataset,
-    sampler: torch.utils.data.Sampler[int],
-    config: TrainingConfig,
-    ctx: DistributedContext,
-    drop_last: bool,
-) -> DataLoader | ArrayLoader:
+def make_val_loader(dataset: Dataset, config: TrainingConfig, ctx: DistributedContext) -> Any:
+    if isinstance(dataset, IterableDataset):
+        return make_iterable_loader(dataset, config, ctx)
+    indices = torch.arange(ctx.rank, len(dataset), ctx.world_size)  # type: ignore[arg-type]
     if isinstance(dataset, ArrayDataset) and config.num_workers == 0:
-        return ArrayLoader(dataset, sampler, config.batch_size, drop_last)
-    generator = torch.Generator()
-    generator.manual_seed(config.seed + ctx.rank)
-    workers = config.num_workers
-    return DataLoader(
-        dataset,
-        batch_size=config.batch_size,
-        sampler=sampler,
-        num_workers=workers,
-        collate_fn=_batched if isinstance(dataset, ArrayDataset) else None,
-        pin_memory=ctx.device.type == "cuda",  # page-locked memory only helps a GPU copy
-        drop_last=drop_last,
-        persistent_workers=workers > 0,
-        worker_init_fn=_seed_worker if workers > 0 else None,
-        generator=generator,
-    )
+        return _ArrayBatches(dataset, indices, config.batch_size)
+    return _dataloader(dataset, config, ctx, batch_size=config.batch_size,
+                       sampler=ShardSampler(len(dataset), ctx))  # type: ignore[arg-type]
 
 
-def make_train_loader(
-    dataset: Dataset, config: TrainingConfig, ctx: DistributedContext
-) -> tuple[DataLoader | ArrayLoader, ResumableDistributedSampler]:
-    sampler = ResumableDistributedSampler(dataset, ctx, config.seed, config.drop_last)
-    if sampler.num_samples < config.batch_size:
-        raise ConfigError(
-            f"--batch_size {config.batch_size} is larger than a rank's share of the training "
-            f"data ({sampler.num_samples} samples with {ctx.world_size} ranks): "
-            "lower --batch_size or use fewer ranks"
-        )
-    return _loader(dataset, sampler, config, ctx, config.drop_last), sampler
+class _ArrayBatches:
+    """Validation batches of an in-memory dataset, sliced in-process."""
 
+    def __init__(self, dataset: ArrayDataset, indices: torch.Tensor, batch_size: int) -> None:
+        self.dataset, self.indices, self.batch_size = dataset, indices, batch_size
 
-def make_val_loader(
-    dataset: Dataset, config: TrainingConfig, ctx: DistributedContext
-) -> DataLoader | ArrayLoader:
-    return _loader(dataset, ShardSampler(len(dataset), ctx), config, ctx, drop_last=False)
-
-
-def batch_sizes(num_samples: int, batch_size: int, drop_last: bool) -> list[int]:
-    """Sizes of the batches a loader yields over `num_samples` (the last may be short)."""
-    full, rest = divmod(num_samples, batch_size)
-    return [batch_size] * full + ([rest] if rest and not drop_last else [])
-
-
-def steps_per_epoch(num_batches: int, grad_accum_steps: int) -> int:
-    """Optimizer steps in an epoch: a short last accumulation window still steps."""
-    return math.ceil(num_batches / grad_accum_steps)
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(0, len(self.indices), self.batch_size):
+            yield self.dataset.batch(self.indices[i : i + self.batch_size])

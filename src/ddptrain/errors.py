@@ -1,4 +1,5 @@
-"""How a run ends when it does not end well, and the exit code each way gets.
+"""What a user did wrong, and how a run ends when it does not end well, with the exit
+code each way gets.
 
 | code | meaning |
 | --- | --- |
@@ -14,6 +15,11 @@ EXIT_USAGE = 2
 EXIT_PEER_LOST = 3
 EXIT_DIVERGED = 4
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", which is what a requeue does
+
+
+class ConfigError(ValueError):
+    """A setting, a dataset, a model or a task the user chose is wrong; the message names
+    it and says what to do."""
 
 
 class TrainingStopped(Exception):

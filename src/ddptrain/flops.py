@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,7 +67,7 @@ def mfu(flops_per_sample: float, samples_per_sec: float, world_size: int, peak: 
 
 def gpu_fields(
     model: nn.Module,
-    batch: torch.Tensor,
+    batch: Any,
     samples_per_sec: float,
     ctx: DistributedContext,
     amp_dtype: torch.dtype | None,
@@ -79,6 +80,8 @@ def gpu_fields(
     if ctx.device.type != "cuda":
         return {}
     row = {"peak_cuda_mb": torch.cuda.max_memory_allocated(ctx.device) / 2**20}
+    if not isinstance(batch, torch.Tensor):
+        return row  # dict inputs: FLOPs are counted for a plain tensor batch only
     if model not in _flops_per_sample:
         _flops_per_sample[model] = count_flops(model, batch) / batch.shape[0]
     per_sample = _flops_per_sample[model]

@@ -1,14 +1,16 @@
 """Global metrics: sums kept on the device, all-reduced only when read.
 
-Each rank adds (loss x samples, correct, samples) into one float64 tensor; reading it
-all-reduces that tensor once, so the global loss is the sample-weighted mean over every
-rank (not a mean of per-rank means) and the hot loop never waits for the host.
+Each rank adds the task's sums (summed loss, its count, metric sums) into one float64
+tensor; reading it all-reduces that tensor once, so the global loss is the mean over every
+sample or token of every rank (not a mean of per-rank means) and the hot loop never waits
+for the host.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,77 +19,138 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.distributed import DistributedContext
+from ddptrain.files import atomic_write_text
+from ddptrain.hooks import Hook
+from ddptrain.tasks import Score, Task
 
 
 class MetricSums:
-    """Running (loss_sum, correct, count) for one split.
+    """Running sums of one split: the summed loss, its count, the task's metric sums and
+    the number of samples.
 
     Micro-batches add into a pending window that `commit` folds into the totals once the
     optimizer step is known to be good (a skipped, non-finite step is dropped, so one bad
-    batch does not turn every later figure into NaN). Each update is a handful of small
-    in-place ops and no host sync; the sample count is a Python int, known on the host.
+    batch does not turn every later figure into NaN). An update is one small in-place add
+    and no host sync; counts known on the host (samples) stay Python ints.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        self._loss, self._correct = zero.clone(), zero.clone()  # committed
-        self._count = 0
-        self._win_loss, self._win_correct = zero.clone(), zero.clone()  # pending
-        self._win_count = 0
+    def __init__(self, task: Task, device: torch.device) -> None:
+        self.task = task
+        self.names = ("loss", "count", *task.metric_names)
+        zero = torch.zeros(len(self.names), dtype=torch.float64, device=device)
+        self._sums, self._win = zero.clone(), zero.clone()  # committed, pending
+        self._zero = zero[0]
+        self._count = self._samples = 0  # host-side counts, committed
+        self._win_count = self._win_samples = 0  # ... pending
 
-    def update(
-        self, logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, scale: float
-    ) -> None:
-        """Add a batch: `loss x scale` is its summed loss (scale = batch size for a mean)."""
-        self._win_loss.add_(loss.detach(), alpha=scale)
-        self._win_correct.add_((logits.argmax(dim=1) == labels).sum())
-        self._win_count += labels.shape[0]
+    def update(self, score: Score) -> None:
+        """Add a scored batch: its summed loss, the count it sums over (int or tensor),
+        its metric sums and its number of samples."""
+        count, loss = score.count, score.loss_sum.detach()
+        if isinstance(count, int):
+            self._win_count += count
+            count = self._zero
+        parts = [loss.reshape(1), count.reshape(1)]
+        parts += [score.metrics[name].reshape(1) for name in self.names[2:]]
+        self._win.add_(torch.cat([p.to(torch.float64) for p in parts]))
+        self._win_samples += score.samples
+
+    def window_count(self) -> torch.Tensor:
+        """The pending window's count on this rank, as a float64 tensor (to all-reduce)."""
+        return self._win[1:2] + self._win_count
 
     def commit(self, keep: bool = True) -> None:
         """Fold the pending window into the totals (or drop it), and start a new one."""
         if keep:
-            self._loss.add_(self._win_loss)
-            self._correct.add_(self._win_correct)
+            self._sums.add_(self._win)
             self._count += self._win_count
-        self._win_loss.zero_()
-        self._win_correct.zero_()
-        self._win_count = 0
+            self._samples += self._win_samples
+        self._win.zero_()
+        self._win_count = self._win_samples = 0
 
-    def global_totals(self, ctx: DistributedContext) -> tuple[float, float, float]:
-        """(loss_sum, correct, count) summed over every rank so far. A sync point."""
+    def global_totals(self, ctx: DistributedContext) -> list[float]:
+        """Totals summed over every rank so far (see `summarize`). A sync point."""
         totals, _ = self.global_totals_and_flag(ctx, False)
         return totals
 
     def global_totals_and_flag(
         self, ctx: DistributedContext, flag: bool
-    ) -> tuple[tuple[float, float, float], bool]:
+    ) -> tuple[list[float], bool]:
         """The committed global totals and whether `flag` is set on any rank, in one
-        all-reduce."""
-        extra = self._loss.new_tensor([float(self._count), float(flag)])
-        buf = torch.cat([self._loss.view(1), self._correct.view(1), extra])
+        all-reduce. Totals are `names` then samples."""
+        host = self._sums.new_tensor([float(self._count), float(self._samples), float(flag)])
+        buf = torch.cat([self._sums, host])
         if ctx.distributed:
             dist.all_reduce(buf)
-        loss_sum, correct, count, flags = buf.tolist()
-        return (loss_sum, correct, count), flags > 0
+        values = buf.tolist()
+        values[1] += values[-3]  # counts kept on the host join those kept on the device
+        return [*values[:-3], values[-2]], values[-1] > 0
 
     def set(self, totals: list[float]) -> None:
-        """Start from saved totals (a mid-epoch resume)."""
-        self._loss.fill_(totals[0])
-        self._correct.fill_(totals[1])
-        self._count = int(totals[2])
+        """Start from saved global totals (a mid-epoch resume, on one rank)."""
+        self._sums.copy_(torch.tensor(totals[:-1], dtype=torch.float64))
+        self._samples = int(totals[-1])
+
+    def summarize(self, totals: list[float]) -> dict[str, float]:
+        """The task's metrics from global totals (or from a difference of two)."""
+        return summarize(self.task, self.names, totals)
 
 
-def summarize(loss_sum: float, correct: float, count: float) -> dict[str, float]:
-    """Sample-weighted mean loss and accuracy from summed totals."""
-    if count == 0:
-        return {"loss": float("nan"), "accuracy": float("nan"), "samples": 0}
-    return {"loss": loss_sum / count, "accuracy": correct / count, "samples": int(count)}
+def peak_rss_mb() -> float:
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+
+
+class EpochMeter:
+    """The running train metrics of an epoch, and the timing of the interval since the
+    last log point."""
+
+    def __init__(self, sums: MetricSums, step: int) -> None:
+        self.sums = sums
+        self.logged = [0.0] * (len(sums.names) + 1)  # global totals at the last log point
+        self.t_last = time.perf_counter()
+        self.wait = 0.0  # seconds blocked on the loader since the last log point
+        self.step_last = step
+
+    def restore(self, saved: dict[str, Any], is_main: bool) -> None:
+        """Continue from a mid-epoch checkpoint's global totals (added in on one rank)."""
+        if len(saved.get("totals", ())) != len(self.logged):
+            return  # written for another task's sums
+        self.logged = list(saved["logged"])
+        if is_main:
+            self.sums.set(saved["totals"])
+
+    def row(self, totals: list[float], step: int) -> dict[str, Any]:
+        """The task's metrics and the throughput of the interval up to `totals`."""
+        now = time.perf_counter()
+        interval = [a - b for a, b in zip(totals, self.logged, strict=True)]
+        elapsed = now - self.t_last
+        steps = max(1, step - self.step_last)
+        row = {
+            **self.sums.summarize(interval),
+            "samples_per_sec": interval[-1] / elapsed,
+            "step_time_s": elapsed / steps,
+            "data_wait_frac": self.wait / elapsed,
+            "peak_rss_mb": peak_rss_mb(),
+        }
+        self.logged, self.t_last, self.wait, self.step_last = totals, now, 0.0, step
+        return row
+
+
+def summarize(task: Task, names: tuple[str, ...], totals: list[float]) -> dict[str, float]:
+    named = dict(zip(names, totals, strict=False))
+    samples = int(totals[len(names)])
+    count = named["count"]
+    if count <= 0:
+        return {"loss": float("nan"), "samples": samples}
+    return {**task.summarize(named, count), "samples": samples}
 
 
 TENSORBOARD_HANDOVER_S = 20.0  # TensorBoard's own writer flushes every 120 s by default
 
 
-class MetricsWriter:
+class MetricsWriter(Hook):
     """Appends one JSON object per line to `metrics.jsonl` (rank 0 only), and mirrors every
     numeric field of a row as the TensorBoard scalar `split/name` at the row's step into
     `tensorboard_dir`, when one is given and the tensorboard package is installed."""
@@ -121,9 +184,7 @@ class MetricsWriter:
                 )
                 if covered:
                     kept.append(line)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         self._file = self.path.open("a")
         self._tb = self._open_tensorboard(keep_step)
 
@@ -142,6 +203,9 @@ class MetricsWriter:
                 old.unlink(missing_ok=True)
         purge = keep_step + 1 if keep_step is not None else None
         return SummaryWriter(str(self.tensorboard_dir), purge_step=purge)
+
+    def on_row(self, trainer: Any, row: dict[str, Any]) -> None:
+        self.write(row)
 
     def write(self, row: dict[str, Any]) -> None:
         if self._file is None:

@@ -14,6 +14,7 @@ import torch.profiler as tp
 
 from ddptrain.config import TrainingConfig
 from ddptrain.distributed import DistributedContext
+from ddptrain.hooks import Hook
 
 log = logging.getLogger("ddptrain")
 
@@ -26,7 +27,7 @@ def profile_schedule(steps_available: int) -> tuple[int, int, int]:
     return wait, warmup, active
 
 
-class StepProfiler:
+class StepProfiler(Hook):
     """No-op unless profiling is on and this is rank 0."""
 
     def __init__(self, config: TrainingConfig, ctx: DistributedContext, steps_per_epoch: int):
@@ -49,7 +50,7 @@ class StepProfiler:
         self._prof.__enter__()
         log.info("profiling %d steps into %s", active, self.trace_dir)
 
-    def step(self) -> None:
+    def on_step_end(self, trainer: object) -> None:
         if self._prof is None:
             return
         self._prof.step()

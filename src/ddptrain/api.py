@@ -1,0 +1,145 @@
+"""The Python API: the whole `ddptrain train` lifecycle as one call.
+
+    from ddptrain import TrainingConfig, fit
+
+    summary = fit(TrainingConfig(epochs=3, output_dir="runs/mine"),
+                  model=MyNet(), datasets=(train_set, val_set))
+
+Run the script as it is for one process, or under `torchrun --nproc_per_node=N` for N
+ranks: `fit` reads the launcher's environment, starts and tears down the process group,
+and returns the summary (the same global figures on every rank). `model` is an
+`nn.Module` or a factory `fn(config, **facts)`; `datasets` a `(train, val)` pair, one
+dataset to split by `val_fraction`, or a factory; `task` a `Task` or a built-in name;
+`hooks` observe the run (`ddptrain.Hook`). Left out, each comes from the config, as on
+the command line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ddptrain.config import TrainingConfig
+from ddptrain.errors import ConfigError, TrainingStopped
+
+log = logging.getLogger("ddptrain")
+
+
+def prepare_run_dir(config: TrainingConfig) -> None:
+    """Create the run directory and write the resolved config (rank 0, before the group)."""
+    from ddptrain.config import dump_yaml
+
+    for directory, flag in ((config.run_dir, "output_dir"), (config.ckpt_dir, "checkpoint_dir")):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / ".write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                f"--{flag} {str(directory)!r} is not writable ({exc.strerror}): "
+                "choose a directory you can write to"
+            ) from None
+    dump_yaml(config, config.run_dir / "config.yaml")
+
+
+def fit(
+    config: TrainingConfig | None = None,
+    *,
+    model: Any = None,
+    datasets: Any = None,
+    task: Any = None,
+    hooks: Sequence[Any] = (),
+    **fields: Any,
+) -> dict[str, Any]:
+    """Train on this rank and return the run's summary. `fields` override `config`."""
+    # Imported here so that `--help` and config errors answer without loading torch.
+    from ddptrain.data import bundle_datasets, load_data
+    from ddptrain.distributed import (
+        read_cluster_env,
+        resolve_backend,
+        resolve_device,
+        setup_distributed,
+        teardown_distributed,
+    )
+    from ddptrain.log import setup_logging
+    from ddptrain.precision import resolve_precision
+
+    config = _resolve_config(config, fields)
+    cluster = read_cluster_env()
+    setup_logging(cluster.rank)
+    device = resolve_device(config, cluster.local_rank)
+    resolve_backend(config, device)
+    resolve_precision(config, device)
+    if config.tracker == "mlflow":
+        from ddptrain.trackers import require_mlflow
+
+        require_mlflow()
+    if config.sync_bn and device.type == "cpu" and cluster.world_size > 1:
+        raise ConfigError(
+            "--sync_bn is invalid on CPU: SyncBatchNorm needs CUDA devices; drop the flag"
+        )
+    # Everything a user can get wrong is checked before the process group starts, so a
+    # mistake ends the job at once instead of leaving peers waiting for a dead rank.
+    if datasets is None:
+        data = load_data(config)
+    else:
+        made = datasets(config) if callable(datasets) else datasets
+        data = bundle_datasets(made, config)
+    if cluster.rank == 0:
+        prepare_run_dir(config)
+    ctx = setup_distributed(config, cluster)
+    clean = False
+    try:
+        summary = _fit(config, ctx, data, model, task, hooks)
+        clean = True
+    except TrainingStopped:
+        clean = True  # every rank stopped at the same agreed step
+        raise
+    finally:
+        teardown_distributed(clean)
+    return summary
+
+
+def _resolve_config(config: TrainingConfig | None, fields: dict[str, Any]) -> TrainingConfig:
+    if config is None:
+        config = TrainingConfig(**fields)
+    elif fields:
+        import dataclasses
+
+        config = dataclasses.replace(config, **fields)
+    return config.validate()
+
+
+def _fit(
+    config: TrainingConfig, ctx: Any, data: Any, model: Any, task: Any, hooks: Sequence[Any]
+) -> dict[str, Any]:
+    """Build and run the trainer. Its model, optimizer and loaders die with this frame,
+    before the process group is destroyed (see `teardown_distributed`)."""
+    from ddptrain.tasks import resolve_task
+    from ddptrain.trainer import Trainer
+
+    if isinstance(task, str):
+        import dataclasses
+
+        task = resolve_task(dataclasses.replace(config, task=task), data.facts)
+    if model is not None and not _is_module(model):
+        model = _call_model_factory(model, config, data, task)
+    return Trainer(config, ctx, data, module=model, task=task, hooks=hooks).fit()
+
+
+def _is_module(obj: Any) -> bool:
+    from torch import nn
+
+    return isinstance(obj, nn.Module)
+
+
+def _call_model_factory(factory: Callable[..., Any], config: TrainingConfig, data: Any,
+                        task: Any) -> Any:
+    from ddptrain.plugins import accepted
+    from ddptrain.tasks import head_size, resolve_task
+
+    task = task or resolve_task(config, data.facts)
+    facts = {**data.facts.as_kwargs(), "outputs": head_size(task, data.facts)}
+    return factory(config, **accepted(factory, facts))

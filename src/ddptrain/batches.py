@@ -1,0 +1,108 @@
+"""Any batch a user's data yields, and any output a user's model returns.
+
+A batch is a pair `(inputs, targets)` or a dict. A dict calls `model(**inputs)` with the
+keys its `forward` accepts (`labels` only when accepted, as Hugging Face models do); its
+targets are `batch["labels"]`. Inputs may be any nesting of tuples, lists and dicts of
+tensors; `to_device` moves every tensor leaf.
+
+A model output that is a tensor is the prediction. A dict, or an object with attributes
+(a Hugging Face `ModelOutput`), gives `logits` as the prediction and `loss` when the model
+computed one itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddptrain.errors import ConfigError
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a nested batch to `device` (non-blocking: the copy overlaps
+    with host work when the source is pinned)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
+
+
+def first_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor leaf of a nested value (its first dimension is the batch)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    items = value.values() if isinstance(value, Mapping) else value
+    if isinstance(items, (list, tuple)) or isinstance(value, Mapping):
+        for item in items:
+            found = first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def split(batch: Any) -> tuple[Any, torch.Tensor | None]:
+    """(model inputs, targets) of a batch."""
+    if isinstance(batch, Mapping):
+        return batch, batch.get("labels")
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ConfigError(
+        f"a batch must be a pair (inputs, targets) or a dict with 'labels'; the data yields "
+        f"{type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else "")
+        + ": return (x, y) from the dataset's __getitem__"
+    )
+
+
+def num_samples(inputs: Any, targets: torch.Tensor | None) -> int:
+    ref = targets if targets is not None else first_tensor(inputs)
+    return 0 if ref is None else int(ref.shape[0])
+
+
+@dataclass
+class Output:
+    prediction: torch.Tensor | None  # logits, or the regression values
+    loss: torch.Tensor | None  # the model's own loss (a mean over its batch)
+
+
+class ModelCall:
+    """Calls a module with a batch's inputs the way its `forward` wants them."""
+
+    def __init__(self, module: nn.Module) -> None:
+        try:
+            params = inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            params = {}  # type: ignore[assignment]
+        self.takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        self.names = set(params)
+
+    def __call__(self, model: nn.Module, inputs: Any) -> Output:
+        if isinstance(inputs, Mapping):
+            kwargs = {k: v for k, v in inputs.items() if self.takes_any or k in self.names}
+            out = model(**kwargs)
+        else:
+            out = model(inputs)
+        return parse_output(out)
+
+
+def parse_output(out: Any) -> Output:
+    if isinstance(out, torch.Tensor):
+        return Output(out, None)
+    get = out.get if isinstance(out, Mapping) else (lambda k: getattr(out, k, None))
+    logits, loss = get("logits"), get("loss")
+    if isinstance(logits, torch.Tensor) or isinstance(loss, torch.Tensor):
+        return Output(logits if isinstance(logits, torch.Tensor) else None,
+                      loss if isinstance(loss, torch.Tensor) else None)
+    raise ConfigError(
+        f"the model returned {type(out).__name__}, which is neither a tensor nor holds "
+        "'logits' or 'loss': return the predictions as a tensor"
+    )

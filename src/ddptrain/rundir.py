@@ -1,0 +1,111 @@
+"""One run, one directory, one owner.
+
+A run directory belongs to one run, named by its `run_id` (in `config.yaml`, in every
+checkpoint and on every metrics row). A fresh run into a directory that already holds a
+run is refused, so `--resume_from auto`, a torchrun restart and `--keep_last` pruning only
+ever meet this run's checkpoints. While a job trains, its rank 0 holds an OS lock on
+`<run_dir>/.lock` (`flock`): the kernel drops it when the holder dies, so a SIGKILLed job
+leaves no stale lock, and a second job into the same directory is refused with the
+holder's host and pid.
+
+Without `--output_dir`, a fresh run gets its own directory `runs/<dataset>-<id>`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import secrets
+import socket
+import time
+from pathlib import Path
+from typing import IO
+
+import yaml
+
+from ddptrain.config import TrainingConfig
+from ddptrain.errors import ConfigError
+
+# What makes a directory a run's: any of these written by an earlier run.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.safetensors")
+
+
+def job_token() -> str:
+    """An id every rank of this job agrees on without talking: the launcher's job id
+    (torchrun's run id, Slurm's job and step), else this process's start time and pid."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return os.environ["TORCHELASTIC_RUN_ID"]
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm{os.environ['SLURM_JOB_ID']}-{os.environ.get('SLURM_STEP_ID', '0')}"
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def default_output_dir(config: TrainingConfig) -> str:
+    """`runs/<dataset>-<job>` for a run that names no directory of its own."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(config.dataset.split(":")[-1]).stem)
+    return str(Path("runs") / f"{name}-{job_token()}")
+
+
+def new_run_id() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
+
+
+def holds_a_run(directory: Path, ckpt_dir: Path) -> bool:
+    if any((directory / name).exists() for name in RUN_FILES):
+        return True
+    return ckpt_dir.is_dir() and any(ckpt_dir.glob("step_*"))
+
+
+def saved_run_id(directory: Path) -> str | None:
+    """The run id in a run directory's `config.yaml`, if it has one."""
+    try:
+        data = yaml.safe_load((directory / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return data.get("run_id") if isinstance(data, dict) else None
+
+
+def refuse_occupied(config: TrainingConfig) -> None:
+    """A fresh run (no --resume_from) never writes into another run's directory."""
+    if config.resume_from is not None or not holds_a_run(config.run_dir, config.ckpt_dir):
+        return
+    raise ConfigError(
+        f"--output_dir {str(config.run_dir)!r} already holds a run: continue it with "
+        "--resume_from auto, or give a new --output_dir (nothing there was touched)"
+    )
+
+
+class RunLock:
+    """An exclusive `flock` on `<run_dir>/.lock`, held by rank 0 for the whole job."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / ".lock"
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = self.path.open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise ConfigError(
+                f"--output_dir {str(self.path.parent)!r} is in use by {holder}: wait for that "
+                "job to end (or stop it), or give another --output_dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
