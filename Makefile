@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m ddptrain train \
-		--dataset breast_cancer --batch_size 8 --epochs 10 --output_dir runs/demo
+		--dataset breast_cancer --batch_size 8 --epochs 10 \
+		--output_dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP) slurm-deps
 	$(PY) -m pytest -q

@@ -92,4 +92,21 @@ else
     [[ -n "${LOCAL_ADDR:-}" ]] && args+=(--local_addr="$LOCAL_ADDR")
 fi
 
-exec "$PYTHON" -m torch.distributed.run "${args[@]}" -m ddptrain "$COMMAND" "$@"
+# torchrun reports any worker's non-zero exit as 1; the workers leave their own code (75:
+# stopped by SIGTERM after a checkpoint, 130: by Ctrl-C) in this file, and it becomes ours.
+exit_file="$(mktemp "${TMPDIR:-/tmp}/ddptrain-exit.XXXXXXXX")"
+export DDPTRAIN_EXIT_FILE="$exit_file"
+"$PYTHON" -m torch.distributed.run "${args[@]}" -m ddptrain "$COMMAND" "$@" &
+child=$!
+trap 'kill -TERM "$child" 2>/dev/null' TERM
+trap 'kill -INT "$child" 2>/dev/null' INT
+while :; do
+    rc=0
+    wait "$child" || rc=$?
+    kill -0 "$child" 2>/dev/null || break  # a trap ended `wait` early: wait again
+done
+if [[ "$rc" -ne 0 && -s "$exit_file" ]]; then
+    rc="$(<"$exit_file")"
+fi
+rm -f "$exit_file"
+exit "$rc"

@@ -42,6 +42,7 @@ BAD_FLAGS = [
     (["train", "--dataset", "missing.npz"], "no such file; give the path of an .npz"),
     (["train", "--resume_from", "missing.pt"], "give an existing checkpoint file"),
     (["frobnicate"], "unknown command 'frobnicate'"),
+    (["train", "--global_batch_size", "30", "--batch_size", "8"], "is not a multiple of 1"),
 ]
 
 

@@ -7,22 +7,31 @@ every step exactly once.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import BIN, child_env, run_cli, run_torchrun, write_npz
+from conftest import child_env, run_cli, run_torchrun, write_npz
 from dist_utils import free_port, run_ranks
-from safetensors.torch import load_file
+from procs import (  # noqa: F401  (reap: an autouse fixture)
+    assert_bitwise,
+    assert_same_log,
+    popen,
+    rank_of,
+    reap,
+    rows,
+    start,
+    torchrun,
+    wait_for_step,
+    weights,
+    worker_pids,
+)
 from workers import train_and_report
 
 from ddptrain.checkpoint import list_checkpoints
@@ -38,70 +47,6 @@ JOB = ["train", "--dataset", "digits", "--model", "miniresnet", "--width", "8",
        "--save_every_steps", "7", "--keep_last", "3"]
 
 
-def _weights(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run / "model.safetensors"))
-
-
-def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
-def _rows(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _assert_same_log(run: Path, reference: Path) -> None:
-    """Every train step and every epoch once, with the reference's values."""
-    got, want = _rows(run), _rows(reference)
-    key = [(r["split"], r["epoch"], r["step"]) for r in got]
-    assert key == [(r["split"], r["epoch"], r["step"]) for r in want]
-    for g, w in zip(got, want, strict=True):
-        for field in ("loss", "accuracy", "mse", "perplexity", "lr", "samples"):
-            if field in w:
-                assert g[field] == pytest.approx(w[field], rel=1e-9, abs=1e-12), (g, w)
-
-
-_STARTED: list[subprocess.Popen[str]] = []
-
-
-@pytest.fixture(autouse=True)
-def _reap() -> Iterator[None]:
-    """Kill whatever a test started and left running (a failed assertion, a timeout)."""
-    yield
-    while _STARTED:
-        proc = _STARTED.pop()
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _popen(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True,  # its own process group, so _reap gets the workers too
-    )
-    _STARTED.append(proc)
-    return proc
-
-
-def _start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
-    return _popen([sys.executable, "-m", "ddptrain", *args], cwd, child_env())
-
-
-def _wait_for_step(ckpt_dir: Path, step: int, proc: subprocess.Popen[str], limit: float = 120):
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        found = list_checkpoints(ckpt_dir)
-        if found and int(found[0].stem.split("_")[1]) >= step:
-            return
-        assert proc.poll() is None, f"finished before step {step}: {proc.stderr.read()[-2000:]}"
-        time.sleep(0.02)
-    raise AssertionError(f"no checkpoint at step {step} within {limit}s")
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("reference") / "run"
@@ -115,8 +60,8 @@ def test_sigkill_then_resume_is_bitwise_exact(
     reference: Path, tmp_path: Path, kill_after: int
 ) -> None:
     run = tmp_path / "run"
-    proc = _start([*JOB, "--output_dir", str(run)], tmp_path)
-    _wait_for_step(run / "checkpoints", kill_after, proc)
+    proc = start([*JOB, "--output_dir", str(run)], tmp_path)
+    wait_for_step(run / "checkpoints", kill_after, proc)
     proc.kill()
     proc.wait()
     # --keep_last 3 (one more while a kill lands between a write and the pruning)
@@ -125,14 +70,14 @@ def test_sigkill_then_resume_is_bitwise_exact(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     assert len(list_checkpoints(run / "checkpoints")) == 3
-    _assert_bitwise(_weights(run), _weights(reference))
-    _assert_same_log(run, reference)
+    assert_bitwise(weights(run), weights(reference))
+    assert_same_log(run, reference)
 
 
 def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    proc = _start([*JOB, "--output_dir", str(run)], tmp_path)
-    _wait_for_step(run / "checkpoints", 100, proc)
+    proc = start([*JOB, "--output_dir", str(run)], tmp_path)
+    wait_for_step(run / "checkpoints", 100, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == EXIT_PREEMPTED, err[-2000:]
@@ -142,30 +87,8 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference: Path, tmp_p
     assert torch.load(newest, weights_only=True)["step"] == stopped_at
     resumed = run_cli([*JOB, "--output_dir", str(run), "--resume_from", "auto"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _assert_bitwise(_weights(run), _weights(reference))
-    _assert_same_log(run, reference)
-
-
-def _worker_pids(agent: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(agent)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def _rank_of(pid: int) -> int | None:
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for item in environ:
-        if item.startswith(b"RANK="):
-            return int(item[5:])
-    return None
-
-
-def _torchrun(args: list[str], cwd: Path, extra: list[str]) -> subprocess.Popen[str]:
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", *extra,
-           "-m", "ddptrain", *args]
-    return _popen(cmd, cwd, child_env())
+    assert_bitwise(weights(run), weights(reference))
+    assert_same_log(run, reference)
 
 
 TWO_RANK_JOB = [*JOB[:-4], "--epochs", "1", "--save_every_steps", "5"]
@@ -183,25 +106,25 @@ def test_torchrun_restart_after_a_killed_worker_resumes_exactly(
     reference_two_ranks: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    agent = _torchrun([*TWO_RANK_JOB, "--output_dir", str(run)], tmp_path, ["--max_restarts=1"])
-    _wait_for_step(run / "checkpoints", 40, agent)
-    victims = [p for p in _worker_pids(agent.pid) if _rank_of(p) == 1]
+    agent = torchrun([*TWO_RANK_JOB, "--output_dir", str(run)], tmp_path, ["--max_restarts=1"])
+    wait_for_step(run / "checkpoints", 40, agent)
+    victims = [p for p in worker_pids(agent.pid) if rank_of(p) == 1]
     assert victims, "no rank-1 worker found"
     os.kill(victims[0], signal.SIGKILL)
     out, err = agent.communicate(timeout=240)
     assert agent.returncode == 0, err[-3000:]
     assert "restarted by torchrun: resuming" in out + err
-    _assert_bitwise(_weights(run), _weights(reference_two_ranks))
-    _assert_same_log(run, reference_two_ranks)
+    assert_bitwise(weights(run), weights(reference_two_ranks))
+    assert_same_log(run, reference_two_ranks)
 
 
 def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(
     reference_two_ranks: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    agent = _torchrun([*TWO_RANK_JOB, "--output_dir", str(run)], tmp_path, [])
-    _wait_for_step(run / "checkpoints", 30, agent)
-    rank1 = [p for p in _worker_pids(agent.pid) if _rank_of(p) == 1]
+    agent = torchrun([*TWO_RANK_JOB, "--output_dir", str(run)], tmp_path, [])
+    wait_for_step(run / "checkpoints", 30, agent)
+    rank1 = [p for p in worker_pids(agent.pid) if rank_of(p) == 1]
     os.kill(rank1[0], signal.SIGTERM)  # only rank 1 hears it; rank 0 must agree to stop
     _, err = agent.communicate(timeout=120)
     assert agent.returncode != 0
@@ -213,8 +136,8 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(
         2, [*TWO_RANK_JOB, "--output_dir", str(run), "--resume_from", "auto"], cwd=tmp_path
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _assert_bitwise(_weights(run), _weights(reference_two_ranks))
-    _assert_same_log(run, reference_two_ranks)
+    assert_bitwise(weights(run), weights(reference_two_ranks))
+    assert_same_log(run, reference_two_ranks)
 
 
 # ---------------------------------------------------------------------- dead peers
@@ -223,7 +146,7 @@ def _manual_ranks(args: list[str], cwd: Path, port: int) -> list[subprocess.Pope
     for rank in (0, 1):
         env = child_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        procs.append(_popen([sys.executable, "-m", "ddptrain", *args], cwd, env))
+        procs.append(popen([sys.executable, "-m", "ddptrain", *args], cwd, env))
     return procs
 
 
@@ -236,7 +159,7 @@ def test_surviving_rank_exits_within_the_timeout(tmp_path: Path, how: str) -> No
         tmp_path, free_port(),
     )
     try:
-        _wait_for_step(run / "checkpoints", 14, r0)
+        wait_for_step(run / "checkpoints", 14, r0)
         os.kill(r1.pid, signal.SIGKILL if how == "dies" else signal.SIGSTOP)
         t0 = time.monotonic()
         _, err = r0.communicate(timeout=timeout_s + 60)
@@ -273,9 +196,9 @@ def test_nan_on_one_rank_skips_the_step_on_all_ranks(tmp_path: Path) -> None:
     for k, w in ranks[0]["weights"].items():
         assert torch.isfinite(w).all(), k
         assert torch.equal(w, ranks[1]["weights"][k]), f"ranks disagree on {k}"
-    rows = _rows(tmp_path / "run")
-    assert all(np.isfinite(r["loss"]) for r in rows)  # skipped batches stay out of metrics
-    assert max(r.get("bad_steps", 0) for r in rows) > 0
+    logged = rows(tmp_path / "run")
+    assert all(np.isfinite(r["loss"]) for r in logged)  # skipped batches stay out of metrics
+    assert max(r.get("bad_steps", 0) for r in logged) > 0
 
 
 def test_diverged_run_stops_with_exit_4_and_keeps_last_good_checkpoint(tmp_path: Path) -> None:
@@ -317,12 +240,12 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_exact_for_other_tasks(
     proc = run_cli([*job, "--output_dir", str(reference)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
-    killed = _start([*job, "--output_dir", str(run)], tmp_path)
-    _wait_for_step(run / "checkpoints", 300, killed)  # in epoch 2, mid-epoch
+    killed = start([*job, "--output_dir", str(run)], tmp_path)
+    wait_for_step(run / "checkpoints", 300, killed)  # in epoch 2, mid-epoch
     killed.kill()
     killed.wait()
     resumed = run_cli([*job, "--output_dir", str(run), "--resume_from", "auto"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
-    _assert_bitwise(_weights(run), _weights(reference))
-    _assert_same_log(run, reference)
+    assert_bitwise(weights(run), weights(reference))
+    assert_same_log(run, reference)

@@ -54,6 +54,11 @@ fi
 # on to srun: srun answers SIGTERM by killing the step at once, checkpoint or not.
 # Unique per run: job ids repeat across clusters that share a /tmp.
 marker="$(mktemp -u "${TMPDIR:-/tmp}/ddptrain-preempted.$SLURM_JOB_ID.XXXXXXXX")"
+# Rank 0 leaves its exit code here (75: stopped by SIGTERM after a checkpoint): torchrun
+# reports any worker's failure as 1. In the submit directory, which every node shares.
+exit_file="${SLURM_SUBMIT_DIR:-$PWD}/.ddptrain-exit.$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"
+rm -f "$exit_file"
+export DDPTRAIN_EXIT_FILE="$exit_file"
 trap 'touch "$marker"' TERM
 
 echo "ddptrain slurm: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}:" \
@@ -73,13 +78,18 @@ done
 preempted=0
 [[ -e "$marker" ]] && preempted=1
 rm -f "$marker"
-[[ "$rc" -eq 0 ]] && exit 0
+[[ "$rc" -eq 0 ]] && { rm -f "$exit_file"; exit 0; }
 
 if [[ "$preempted" -eq 1 && "${SLURM_RESTART_COUNT:-0}" -lt "${MAX_REQUEUES:-3}" ]]; then
     echo "ddptrain slurm: step ended by a preemption signal (exit $rc): requeueing job" \
         "$SLURM_JOB_ID to resume from its last checkpoint"
+    rm -f "$exit_file"
     scontrol requeue "$SLURM_JOB_ID"
     exit 0
 fi
-echo "ddptrain slurm: step failed (exit $rc)" >&2
+if [[ -s "$exit_file" ]]; then
+    rc="$(<"$exit_file")"
+fi
+rm -f "$exit_file"
+echo "ddptrain slurm: step ended (exit $rc)" >&2
 exit "$rc"

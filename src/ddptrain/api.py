@@ -18,10 +18,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError, TrainingStopped
+from ddptrain.rundir import (
+    RunLock,
+    new_run_id,
+    refuse_occupied,
+    resolve_layout,
+    resume_source,
+    saved_run_id,
+)
 
 log = logging.getLogger("ddptrain")
 
@@ -69,6 +78,7 @@ def fit(
     config = _resolve_config(config, fields)
     cluster = read_cluster_env()
     setup_logging(cluster.rank)
+    config = resolve_layout(config, cluster.world_size)
     device = resolve_device(config, cluster.local_rank)
     resolve_backend(config, device)
     resolve_precision(config, device)
@@ -87,19 +97,113 @@ def fit(
     else:
         made = datasets(config) if callable(datasets) else datasets
         data = bundle_datasets(made, config)
+    if config.channels_last and not data.is_image:
+        raise ConfigError(
+            f"--channels_last needs image data (N, C, H, W), and --dataset {config.dataset!r} "
+            f"gives samples of shape {data.input_shape}: drop the flag"
+        )
+    if config.dry_run:
+        if cluster.rank == 0:
+            _print_dry_run(config, data, cluster.world_size, device, model, task)
+        return {"dry_run": True}
+    finished = _finished_summary(config)
+    if finished is not None:
+        return finished
+    lock = RunLock(config.run_dir)
     if cluster.rank == 0:
-        prepare_run_dir(config)
-    ctx = setup_distributed(config, cluster)
-    clean = False
+        if resume_source(config.resume_from) is None:
+            refuse_occupied(config)
+        lock.acquire()
     try:
-        summary = _fit(config, ctx, data, model, task, hooks)
-        clean = True
-    except TrainingStopped:
-        clean = True  # every rank stopped at the same agreed step
-        raise
+        if cluster.rank == 0:
+            config = _with_run_id(config)
+            prepare_run_dir(config)
+            log.info("run %s in %s", config.run_id, config.run_dir)
+        ctx = setup_distributed(config, cluster)
+        clean = False
+        try:
+            summary = _fit(config, ctx, data, model, task, hooks)
+            clean = True
+        except TrainingStopped:
+            clean = True  # every rank stopped at the same agreed step
+            raise
+        finally:
+            teardown_distributed(clean)
     finally:
-        teardown_distributed(clean)
+        lock.release()
     return summary
+
+
+def _with_run_id(config: TrainingConfig) -> TrainingConfig:
+    """A fresh run gets a new id; a resumed one keeps the id its directory records."""
+    import dataclasses
+
+    if config.run_id is not None:
+        return config
+    run_id = saved_run_id(config.run_dir) if resume_source(config.resume_from) else None
+    return dataclasses.replace(config, run_id=run_id or new_run_id())
+
+
+def _finished_summary(config: TrainingConfig) -> dict[str, Any] | None:
+    """A resume of a run that already finished: say so, touch nothing, return its summary."""
+    import json
+
+    import torch
+
+    from ddptrain.checkpoint import find_resumable, load_checkpoint
+
+    source = resume_source(config.resume_from)
+    if source is None:
+        return None
+    if source == "auto":
+        found = find_resumable(config.ckpt_dir, torch.device("cpu"))
+        payload = found[1] if found else None
+    else:
+        payload = load_checkpoint(Path(source), torch.device("cpu"))
+    if payload is None or payload["epoch"] < config.epochs or payload.get("samples_in_epoch"):
+        return None
+    log.info(
+        "the run in %s already finished (%d of %d epochs): nothing to do, its files are "
+        "untouched; raise --epochs to train on", config.run_dir, payload["epoch"], config.epochs,
+    )
+    summary_file = config.run_dir / "summary.json"
+    if summary_file.is_file():
+        return dict(json.loads(summary_file.read_text()), already_finished=True)
+    return {"already_finished": True, "epochs": payload["epoch"], "steps": payload["step"]}
+
+
+def _print_dry_run(
+    config: TrainingConfig, data: Any, world_size: int, device: Any, model: Any, task: Any
+) -> None:
+    """The plan and the resolved config, from the same builders a real run uses."""
+    import yaml
+
+    from ddptrain.distributed import resolve_backend
+    from ddptrain.models import create_model
+    from ddptrain.plan import format_plan, make_plan
+    from ddptrain.precision import resolve_precision
+    from ddptrain.tasks import head_size, resolve_task
+
+    if not hasattr(task, "loss"):
+        task = resolve_task(config if task is None else _with_task(config, task), data.facts)
+    if model is None:
+        model = create_model(config, data, head_size(task, data.facts), device)
+    elif not _is_module(model):
+        model = _call_model_factory(model, config, data, task)
+    plan = make_plan(
+        config, data, world_size, str(device),
+        resolve_backend(config, device) if world_size > 1 else "none",
+        resolve_precision(config, device).describe(), task.name,
+        sum(p.numel() for p in model.parameters()),
+    )
+    print(f"{format_plan(plan, config)}\n\n# resolved config\n"
+          + yaml.safe_dump(config.to_dict(), sort_keys=False), end="", flush=True)
+
+
+def _with_task(config: TrainingConfig, task: str) -> TrainingConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, task=task)
 
 
 def _resolve_config(config: TrainingConfig | None, fields: dict[str, Any]) -> TrainingConfig:
@@ -121,9 +225,7 @@ def _fit(
     from ddptrain.trainer import Trainer
 
     if isinstance(task, str):
-        import dataclasses
-
-        task = resolve_task(dataclasses.replace(config, task=task), data.facts)
+        task = resolve_task(_with_task(config, task), data.facts)
     if model is not None and not _is_module(model):
         model = _call_model_factory(model, config, data, task)
     return Trainer(config, ctx, data, module=model, task=task, hooks=hooks).fit()

@@ -23,15 +23,21 @@ from torch import nn
 from ddptrain.errors import ConfigError
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
+def to_device(
+    batch: Any, device: torch.device, memory_format: torch.memory_format | None = None
+) -> Any:
     """Move every tensor in a nested batch to `device` (non-blocking: the copy overlaps
-    with host work when the source is pinned)."""
+    with host work when the source is pinned); images (4-D) take `memory_format`."""
     if isinstance(batch, torch.Tensor):
+        if memory_format is not None and batch.ndim == 4:
+            return batch.to(device, non_blocking=True, memory_format=memory_format)
         return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
-        return type(batch)({k: to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+        return type(batch)(  # type: ignore[call-arg]
+            {k: to_device(v, device, memory_format) for k, v in batch.items()}
+        )
     if isinstance(batch, (list, tuple)):
-        moved = [to_device(v, device) for v in batch]
+        moved = [to_device(v, device, memory_format) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
     return batch
 

@@ -2,7 +2,7 @@
 
 Rank 0 writes a temporary file next to the target, fsyncs it and renames it into place
 (`ddptrain.files`), so a crash leaves either the old file or the new one, never a torn
-one; `latest.pt` is a hard link to the newest complete file, swapped in the same way.
+one; `latest.pt` (and `best.pt`) are independent copies of the newest (best) file.
 Every rank passes a barrier after the write so none reads ahead of it.
 
 The payload is plain tensors and containers: `torch.load(path, weights_only=True)` reads
@@ -11,10 +11,12 @@ it, and a file that would need pickled code to load is refused.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import random
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,18 +28,26 @@ from torch import nn
 
 from ddptrain import __version__
 from ddptrain.distributed import DistributedContext
-from ddptrain.errors import ConfigError
-from ddptrain.files import fsync_dir, staged, temp_name
+from ddptrain.errors import EXIT_IO, ConfigError, TrainingStopped
+from ddptrain.files import staged
+from ddptrain.rundir import restarted, resume_source
 from ddptrain.state import FORMAT, FORMAT_VERSION
 
 log = logging.getLogger("ddptrain")
 
 LATEST = "latest.pt"
+BEST = "best.pt"  # the best epoch's state by the task's metric; never pruned
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 
 
 class CheckpointError(ConfigError):
     """A checkpoint cannot be used; the message says which file and why."""
+
+
+class CheckpointWriteError(TrainingStopped):
+    """A checkpoint could not be written (disk full, quota, I/O error)."""
+
+    exit_code = EXIT_IO
 
 
 def checkpoint_name(step: int) -> str:
@@ -83,24 +93,24 @@ def gather_rng_states(ctx: DistributedContext) -> list[dict[str, Any]] | None:
 
 
 # ---------------------------------------------------------------------- writing
-def atomic_save(payload: dict[str, Any], path: Path, link: Path | None = None) -> None:
+def atomic_save(payload: dict[str, Any], path: Path, copies: tuple[Path, ...] = ()) -> None:
     """Write `payload` to `path` so that readers see the old file or the whole new one.
 
-    With `link`, that name (`latest.pt`) is swapped to the same file *before* the file
-    gets its own name: a crash in between leaves `link` holding the newest state, never
-    pointing behind it.
+    `copies` (`latest.pt`, `best.pt`) are independent copies, each committed *before*
+    the step file gets its own name: a crash in between leaves `latest.pt` holding the
+    newest state, never pointing behind it, and damage to one file never reaches another.
     """
+    # Serialized in memory first: torch's zip writer reports a full disk as a RuntimeError
+    # about file positions, a plain write as the OSError (ENOSPC, EDQUOT) it is.
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
     with staged(path) as tmp:
         with tmp.open("wb") as f:
-            torch.save(payload, f)
-        if link is not None:
-            with tmp.open("rb+") as f:
-                os.fsync(f.fileno())
-            swap = temp_name(link)
-            swap.unlink(missing_ok=True)
-            os.link(tmp, swap)
-            os.replace(swap, link)
-            fsync_dir(link.parent)
+            f.write(buffer.getbuffer())
+        del buffer
+        for copy in copies:
+            with staged(copy) as other:
+                shutil.copyfile(tmp, other)
 
 
 def prune(directory: Path, keep_last: int) -> None:
@@ -125,10 +135,16 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 
 def save_checkpoint(
-    directory: Path, step: int, state: dict[str, Any], ctx: DistributedContext, keep_last: int
+    directory: Path, step: int, state: dict[str, Any], ctx: DistributedContext, keep_last: int,
+    best: bool = False,
 ) -> Path:
-    """Collective: every rank calls it; rank 0 writes, then all meet at a barrier."""
+    """Collective: every rank calls it; rank 0 writes, then all learn whether it could.
+
+    A failed write (a full disk, a quota, a vanished mount) leaves the previous checkpoint
+    as it was, and every rank stops with the same line naming the path and the errno,
+    instead of the other ranks blaming the network once rank 0 is gone."""
     path = directory / checkpoint_name(step)
+    failure: OSError | None = None
     if ctx.is_main:
         payload = {"format": FORMAT, "format_version": FORMAT_VERSION, **state}
         payload["versions"] = {
@@ -136,10 +152,25 @@ def save_checkpoint(
             "torch": str(torch.__version__),
             "python": sys.version.split()[0],
         }
-        atomic_save(payload, path, link=directory / LATEST)
-        prune(directory, keep_last)
+        copies = (directory / LATEST, *((directory / BEST,) if best else ()))
+        try:
+            atomic_save(payload, path, copies)
+            prune(directory, keep_last)
+        except OSError as exc:
+            failure = exc
+    code = (failure.errno or -1) if failure is not None else 0
     if ctx.distributed:
-        dist.barrier()
+        status = torch.tensor([float(code)])
+        dist.all_reduce(status, op=dist.ReduceOp.MAX)  # also the barrier: none reads ahead
+        code = int(status.item())
+    if code:
+        reason = os.strerror(code) if code > 0 else "an OS error"
+        where = f"{str(failure.filename or path)!r}" if failure is not None else str(path)
+        raise CheckpointWriteError(
+            f"rank 0 could not write the checkpoint {where}: {reason} (errno {code}); the "
+            f"previous checkpoint in {directory} is intact: free space or give another "
+            "--checkpoint_dir, then resume with --resume_from auto"
+        )
     return path
 
 
@@ -225,10 +256,9 @@ def locate_resume(
     source: str | None, directory: Path, device: torch.device
 ) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint a run resumes from (`--resume_from PATH | auto`), or None."""
-    if source is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        # torchrun restarted this worker group after a failure: pick up where it was.
+    if restarted():
         log.warning("restarted by torchrun: resuming from the newest checkpoint")
-        source = "auto"
+    source = resume_source(source)
     if source is None:
         return None
     if source != "auto":

@@ -12,6 +12,7 @@ other exit codes are listed in `ddptrain.errors`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -42,7 +43,7 @@ def _print_summary(config: TrainingConfig, summary: dict[str, Any]) -> None:
         f"done: {summary['epochs']} epochs, {summary['steps']} steps on "
         f"{summary['world_size']} rank(s) in {summary['train_time_s']:.1f}s "
         f"({summary['samples_per_sec']:,.0f} samples/s) | {val} "
-        f"(best {best} {best_text}, epoch {summary['best_epoch']}) | run dir {config.run_dir}",
+        f"(best {best} {best_text}, epoch {summary['best_epoch']}) | run dir {summary['run_dir']}",
         flush=True,
     )
 
@@ -50,7 +51,7 @@ def _print_summary(config: TrainingConfig, summary: dict[str, Any]) -> None:
 def _cmd_train(argv: list[str]) -> int:
     config = parse_config(argv)
     summary = train(config)
-    if summary is not None:
+    if summary is not None and not summary.get("dry_run") and not summary.get("already_finished"):
         _print_summary(config, summary)
     return 0
 
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except TrainingStopped as exc:
         _report(f"stopped: {exc}")
+        _note_exit(exc.exit_code)
         return exc.exit_code
     except Exception as exc:
         if not _lost_peer(exc):
@@ -148,6 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _report("interrupted")
         return 130
+
+
+def _note_exit(code: int) -> None:
+    """Tell a wrapping launcher why the workers stopped: torchrun itself reports any
+    worker's non-zero exit as 1, so `scripts/launch.sh` reads the code from this file."""
+    path = os.environ.get("DDPTRAIN_EXIT_FILE")
+    if path and _rank() == "0":
+        with contextlib.suppress(OSError):
+            Path(path).write_text(f"{code}\n")
 
 
 def _rank() -> str:

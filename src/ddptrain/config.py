@@ -99,17 +99,30 @@ class TrainingConfig:
         5, "stop after N optimizer steps in a row with non-finite gradients (0: never check)"
     )
     grad_accum_steps: int = _f(1, "micro-steps per optimizer step (all-reduce on the last only)")
+    global_batch_size: int | None = _f(
+        None,
+        "samples per optimizer step over all ranks; sets --grad_accum_steps to "
+        "G / (world size x --batch_size), so the run is the same on any world size",
+    )
     # Distributed
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", "nccl with CUDA, gloo without")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "cuda when available, else cpu")
     timeout_s: float = _f(600.0, "process-group timeout: a rank waiting longer for a peer fails")
+    compile: bool = _f(
+        False, "torch.compile the model (inductor; the first steps pay the compilation)"
+    )
+    channels_last: bool = _f(False, "channels_last memory format for image models and inputs")
     # Mixed precision
     use_amp: bool = _f(True, "mixed precision on CUDA; on CPU only with --amp_dtype bfloat16")
     amp_dtype: Literal["auto", "float16", "bfloat16"] = _f(
         "auto", "autocast dtype (auto: float16 + GradScaler on CUDA, off on CPU)"
     )
     # Run directory and checkpoints
-    output_dir: str = _f("runs/ddptrain", "run directory: config.yaml, metrics.jsonl, checkpoints")
+    output_dir: str | None = _f(
+        None,
+        "run directory: config.yaml, metrics.jsonl, checkpoints (default: a new "
+        "runs/<dataset>-<id> for each fresh run)",
+    )
     checkpoint_dir: str | None = _f(None, "checkpoint directory (default: OUTPUT_DIR/checkpoints)")
     save_every: int = _f(1, "checkpoint every N epochs (0: only the final one)")
     save_every_steps: int = _f(0, "also checkpoint every N optimizer steps (0: off)")
@@ -126,10 +139,13 @@ class TrainingConfig:
         "MLFLOW_TRACKING_URI (default: a store in the run directory)",
     )
     seed: int = _f(42, "seed of weights, data split, shuffling and workers")
+    dry_run: bool = _f(False, "print the run's plan and resolved config, then exit")
+    run_id: str | None = _f(None, "the run's id (set by ddptrain on a fresh start, kept on resume)")
 
     # ------------------------------------------------------------------ derived values
     @property
     def run_dir(self) -> Path:
+        assert self.output_dir is not None, "resolve the run directory first (api.fit)"
         return Path(self.output_dir)
 
     @property
@@ -171,6 +187,8 @@ class TrainingConfig:
             _bad("val_fraction", self.val_fraction, "use a fraction between 0 and 1, e.g. 0.2")
         if not self.timeout_s > 0:
             _bad("timeout_s", self.timeout_s, "use a positive number of seconds")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            _bad("global_batch_size", self.global_batch_size, "use a whole number of samples")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             _bad("max_grad_norm", self.max_grad_norm, "use a positive norm, or leave it unset")
         self._validate_dataset()

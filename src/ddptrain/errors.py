@@ -6,7 +6,9 @@ code each way gets.
 | 2 | bad input (config, environment, data, checkpoint): one `ddptrain: error:` line |
 | 3 | lost contact with the other ranks (a peer died or hung past --timeout_s) |
 | 4 | training diverged: --max_bad_steps optimizer steps in a row had non-finite gradients |
+| 74 | a checkpoint could not be written (disk full, I/O error); the previous one is intact |
 | 75 | stopped by SIGTERM after writing a checkpoint: resume with --resume_from auto |
+| 130 | stopped by SIGINT (Ctrl-C) after writing a checkpoint |
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 EXIT_USAGE = 2
 EXIT_PEER_LOST = 3
 EXIT_DIVERGED = 4
+EXIT_IO = 74  # EX_IOERR
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", which is what a requeue does
+EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 class ConfigError(ValueError):
@@ -32,6 +36,12 @@ class Preempted(TrainingStopped):
     """SIGTERM arrived; every rank finished its step and a checkpoint was written."""
 
     exit_code = EXIT_PREEMPTED
+
+
+class Interrupted(TrainingStopped):
+    """SIGINT (Ctrl-C) arrived; handled like SIGTERM: an agreed stop and a checkpoint."""
+
+    exit_code = EXIT_INTERRUPTED
 
 
 class Diverged(TrainingStopped):

@@ -155,8 +155,11 @@ class MetricsWriter(Hook):
     numeric field of a row as the TensorBoard scalar `split/name` at the row's step into
     `tensorboard_dir`, when one is given and the tensorboard package is installed."""
 
-    def __init__(self, path: Path, enabled: bool, tensorboard_dir: Path | None = None) -> None:
-        self.path = path
+    def __init__(
+        self, path: Path, enabled: bool, tensorboard_dir: Path | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        self.path, self.run_id = path, run_id
         self.enabled = enabled
         self.tensorboard_dir = tensorboard_dir
         self._file = None
@@ -210,7 +213,7 @@ class MetricsWriter(Hook):
     def write(self, row: dict[str, Any]) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps({**row, "run_id": self.run_id}) + "\n")
         self._file.flush()
         if self._tb is not None:
             self._write_scalars(row)

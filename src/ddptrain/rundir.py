@@ -32,6 +32,17 @@ from ddptrain.errors import ConfigError
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.safetensors")
 
 
+def restarted() -> bool:
+    """Whether torchrun restarted this worker group after a failure."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def resume_source(resume_from: str | None) -> str | None:
+    """What a run resumes from: `--resume_from` on the first attempt; after a torchrun
+    restart always this run's newest checkpoint (never back to an older PATH)."""
+    return "auto" if restarted() else resume_from
+
+
 def job_token() -> str:
     """An id every rank of this job agrees on without talking: the launcher's job id
     (torchrun's run id, Slurm's job and step), else this process's start time and pid."""
@@ -46,6 +57,26 @@ def default_output_dir(config: TrainingConfig) -> str:
     """`runs/<dataset>-<job>` for a run that names no directory of its own."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(config.dataset.split(":")[-1]).stem)
     return str(Path("runs") / f"{name}-{job_token()}")
+
+
+def resolve_layout(config: TrainingConfig, world_size: int) -> TrainingConfig:
+    """The run's directory and accumulation, as this launch resolves them."""
+    import dataclasses
+
+    changes: dict[str, object] = {}
+    if config.output_dir is None:
+        changes["output_dir"] = default_output_dir(config)
+    g = config.global_batch_size
+    if g is not None:
+        per_step = world_size * config.batch_size
+        if g % per_step:
+            raise ConfigError(
+                f"--global_batch_size {g} is not a multiple of {world_size} rank(s) x "
+                f"--batch_size {config.batch_size} = {per_step}: choose a global batch that "
+                "is, or another --batch_size"
+            )
+        changes["grad_accum_steps"] = g // per_step
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def new_run_id() -> str:

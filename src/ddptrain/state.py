@@ -57,8 +57,9 @@ class Progress:
         if self.bad_streak >= max_bad_steps:
             raise Diverged(
                 f"{self.bad_streak} optimizer steps in a row had non-finite gradients (last "
-                f"at step {self.step}); the newest checkpoint in {ckpt_dir} is the last good "
-                "state: lower --lr, set --max_grad_norm, or check the data for NaN/inf"
+                f"at step {self.step}); no checkpoint holds a skipped step: resume from "
+                f"{ckpt_dir / 'best.pt'} (or an earlier step file) with a lower --lr or "
+                "--max_grad_norm, or check the data for NaN/inf"
             )
 
     def to_dict(self) -> dict[str, int]:
@@ -74,4 +75,46 @@ class Progress:
         return cls(
             payload["epoch"], payload["step"], int(samples),
             payload["bad_steps"], payload["bad_streak"],
+        )
+
+
+# What a resume may change, and what it may not. The run continues with the settings it
+# is resumed with, and config.yaml shows them.
+#   --lr, --momentum, --weight_decay, --scale_lr: applied to the restored optimizer and
+#       schedule (the LR at the current position of the new peak's curve)
+#   --epochs, --warmup_epochs: the schedule is rebuilt for the new total and continues
+#       from the current step; a warm-up that is over is not repeated
+#   world size, --batch_size, --grad_accum_steps, --global_batch_size: the data continues
+#       at the next global sample; the schedule is placed where the data is, so it still
+#       ends at its planned end
+#   --model / --width (the weights must fit), --optimizer, --task: refused
+APPLIED = ("lr", "momentum", "weight_decay", "scale_lr", "epochs", "warmup_epochs")
+LAYOUT = ("batch_size", "grad_accum_steps", "drop_last", "seed")
+
+
+def changed(saved: dict[str, Any], current: dict[str, Any], names: tuple[str, ...]) -> list[str]:
+    """'--lr 0.01 -> 0.5' for every setting in `names` the resume changes."""
+    return [
+        f"--{k} {saved[k]} -> {current[k]}"
+        for k in names if k in saved and saved[k] != current.get(k)
+    ]
+
+
+def refuse_incompatible(
+    payload: dict[str, Any], current: dict[str, Any], task: str, path: str
+) -> None:
+    """A resume that would silently train something else is a usage error."""
+    from ddptrain.errors import ConfigError
+
+    saved = payload.get("config", {})
+    if saved.get("optimizer", current["optimizer"]) != current["optimizer"]:
+        raise ConfigError(
+            f"checkpoint {path!r} was trained with --optimizer {saved['optimizer']}, whose "
+            f"state {current['optimizer']} cannot continue: resume with --optimizer "
+            f"{saved['optimizer']}, or start a new run (another --output_dir)"
+        )
+    if payload.get("task", task) != task:
+        raise ConfigError(
+            f"checkpoint {path!r} was trained for --task {payload['task']}, not {task}: "
+            f"resume with --task {payload['task']}, or start a new run"
         )

@@ -23,7 +23,7 @@ from ddptrain.distributed import DistributedContext
 class Strategy:
     """World size 1: the bare module; every method is the plain single-process one."""
 
-    name = "single"
+    name = "single process"
 
     def __init__(self, ctx: DistributedContext) -> None:
         self.ctx = ctx

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
-import threading
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -50,16 +49,17 @@ from ddptrain.data import (
     make_val_loader,
 )
 from ddptrain.distributed import DistributedContext
-from ddptrain.errors import Preempted
 from ddptrain.files import atomic_write_text
 from ddptrain.flops import gpu_fields
 from ddptrain.hooks import Console, Curves, Hook, Hooks
 from ddptrain.metrics import EpochMeter, MetricSums, MetricsWriter
 from ddptrain.models import create_model
 from ddptrain.optim import build_optimizer, build_scheduler, peak_lr
+from ddptrain.plan import RunPlan, format_plan, make_plan
 from ddptrain.precision import resolve_precision
 from ddptrain.profiling import StepProfiler
-from ddptrain.state import Progress
+from ddptrain.state import APPLIED, LAYOUT, Progress, changed, refuse_incompatible
+from ddptrain.stop import StopRequest
 from ddptrain.strategy import create_strategy
 from ddptrain.tasks import Scorer, Task, head_size, resolve_task
 from ddptrain.trackers import tracker_hooks
@@ -87,6 +87,8 @@ class Trainer:
         if module is None:
             module = create_model(config, data, head_size(self.task, data.facts), device)
         self.module = module.to(device)
+        if config.channels_last:
+            self.module = self.module.to(memory_format=torch.channels_last)
         self.strategy = create_strategy(ctx)
         self.call = ModelCall(self.module)
         self.scorer = Scorer(self.task, device)
@@ -100,11 +102,15 @@ class Trainer:
         self.progress = Progress()
         self.steps_done_in_epoch = 0
         self._resumed_meter: dict[str, Any] | None = None
-        self._stop_requested = False
+        self.stop = StopRequest()
+        self.history: dict[str, Any] = {
+            "train_time_s": 0.0, "samples": 0, "best": None, "best_epoch": 0
+        }
 
         self.writer = MetricsWriter(
             config.run_dir / "metrics.jsonl", enabled=ctx.is_main,
             tensorboard_dir=config.run_dir / "tensorboard" if config.tensorboard else None,
+            run_id=config.run_id,
         )
         self.hooks = Hooks([
             self.writer, Console(), StepProfiler(config, ctx, self.steps_per_epoch), Curves(),
@@ -113,6 +119,15 @@ class Trainer:
         torch.manual_seed(config.seed + ctx.rank)  # per-rank randomness (dropout, user aug.)
         self.resumed_from = self._resume()
         self.model = self.strategy.setup_module(self.module)
+        if config.compile:
+            # The wrapper is compiled, so DDP's buckets still overlap with backward; the
+            # plain module (checkpoints, evaluation) keeps its own parameter names.
+            self.model = torch.compile(self.model)
+        self.first_step_s: float | None = None
+
+    @property
+    def _memory_format(self) -> torch.memory_format | None:
+        return torch.channels_last if self.config.channels_last else None
 
     def _setup_data(self) -> None:
         cfg, ctx = self.config, self.ctx
@@ -142,6 +157,7 @@ class Trainer:
             "config": self.config.to_dict(),
             "rng": gather_rng_states(self.ctx),
             "hooks": self.hooks.state_dict(),
+            "history": dict(self.history),
         }
 
     def _resume(self) -> str | None:
@@ -149,13 +165,16 @@ class Trainer:
         if found is None:
             return None
         path, payload = found
+        current = self.config.to_dict()
+        refuse_incompatible(payload, current, self.task.name, str(path))
         load_model_state(self.module, payload["model_state_dict"], path)
         self.optimizer.load_state_dict(payload["optimizer_state_dict"])
-        self.scheduler.load_state_dict(payload["scheduler_state_dict"])
         self.scaler.load_state_dict(payload["scaler_state_dict"])
         self.progress = Progress.from_payload(payload)
+        self.history.update(payload.get("history", {}))
         self.hooks.load_state_dict(payload.get("hooks", {}))
         self._restore_position(payload)
+        self._place_schedule(changed(payload.get("config", {}), current, APPLIED))
         log.info(
             "resumed from %s: epoch %d done, step %d",
             path, self.progress.epoch, self.progress.step,
@@ -168,7 +187,7 @@ class Trainer:
         saved = payload.get("config", {})
         same_layout = payload.get("world_size") == self.ctx.world_size and all(
             saved.get(k) == getattr(self.config, k)
-            for k in ("batch_size", "grad_accum_steps", "drop_last", "seed")
+            for k in LAYOUT
         )
         if same_layout:
             set_rng_state(payload["rng"][self.ctx.rank], self.ctx.device)
@@ -191,6 +210,39 @@ class Trainer:
                 self.progress.epoch + 1, self.progress.samples_in_epoch,
             )
 
+    def _place_schedule(self, applied: list[str]) -> None:
+        """Apply the settings the run is resumed with to the restored optimizer, and put
+        the schedule where the data is: on another layout the step count means another
+        thing, so the position comes from epochs and global samples done."""
+        cfg, groups, sched = self.config, self.optimizer.param_groups, self.scheduler
+        for group in groups:
+            group["weight_decay"] = cfg.weight_decay
+            if "momentum" in group:
+                group["momentum"] = cfg.momentum
+        micro = math.ceil(self.progress.samples_in_epoch / (self.ctx.world_size * cfg.batch_size))
+        position = self.progress.epoch * self.steps_per_epoch + math.ceil(
+            micro / cfg.grad_accum_steps
+        )
+        if not self.steps_per_epoch:
+            position = self.progress.step  # no planned length: the step count is all there is
+        if position != self.progress.step:
+            log.warning(
+                "resumed on another layout (world size or batch): the schedule continues at "
+                "step %d of %d, so it still ends at its planned end", position, self.total_steps,
+            )
+        sched.base_lrs = [peak_lr(cfg, self.ctx.world_size)] * len(groups)
+        sched.last_epoch = position
+        sched._last_lr = [  # type: ignore[attr-defined]
+            base * fn(position) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)
+        ]
+        for group, lr in zip(groups, sched._last_lr, strict=True):  # type: ignore[attr-defined]
+            group["lr"] = lr
+        if applied:
+            log.warning(
+                "resume applies %s: the schedule is rebuilt for them and continues from its "
+                "current step (no warm-up again)", ", ".join(applied),
+            )
+
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, Any]:
         cfg, ctx = self.config, self.ctx
@@ -198,39 +250,16 @@ class Trainer:
             keep_step=self.progress.step if self.resumed_from else None,
             keep_epoch=self.progress.epoch,
         )
-        task = self.task
-        best: float | None = None
-        best_epoch, val, started, samples_seen = 0, {}, time.perf_counter(), 0
-        previous = self._catch_sigterm()
+        if ctx.is_main:
+            log.info("plan\n%s", format_plan(self.plan(), cfg))
+        self._t_fit = time.perf_counter()
+        val: dict[str, float] = {}
         try:
-            self.hooks.on_fit_start(self)
-            for epoch in range(self.progress.epoch + 1, cfg.epochs + 1):
-                t0 = time.perf_counter()
-                train = self.train_epoch(epoch)
-                samples_seen += train["samples"]
-                val = self.evaluate()
-                score = val.get(task.best, float("nan"))
-                if best is None or _better(score, best, task.mode):
-                    best, best_epoch = score, epoch
-                self.progress.epoch, self.progress.samples_in_epoch = epoch, 0
-                self.hooks.on_row(self, {
-                    "split": "val", "epoch": epoch, "step": self.progress.step, **val,
-                    **{f"train_{k}": v for k, v in train.items() if k != "samples"},
-                    "epoch_time_s": time.perf_counter() - t0,
-                })
-                last = epoch == cfg.epochs
-                if last or (cfg.save_every and epoch % cfg.save_every == 0):
-                    self.save()
-            elapsed = time.perf_counter() - started
-            summary = {
-                "epochs": cfg.epochs, "steps": self.progress.step,
-                "world_size": ctx.world_size, "task": task.name,
-                **{f"val_{k}": v for k, v in val.items() if k != "samples"},
-                "best_metric": task.best, f"best_val_{task.best}": best, "best_epoch": best_epoch,
-                "train_time_s": elapsed,
-                "samples_per_sec": samples_seen / elapsed if elapsed else 0.0,
-                "bad_steps": self.progress.bad_steps,
-            }
+            with self.stop:
+                self.hooks.on_fit_start(self)
+                for epoch in range(self.progress.epoch + 1, cfg.epochs + 1):
+                    val = self._epoch(epoch)
+            summary = self._summary(val)
             if ctx.is_main:
                 export_safetensors_state(
                     self.strategy.module_state_dict(self.module), cfg.run_dir / "model.safetensors"
@@ -239,20 +268,51 @@ class Trainer:
                 atomic_write_text(cfg.run_dir / "summary.json", text)
             self.hooks.on_fit_end(self, summary)
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
             self.hooks.close()
         return summary
 
-    def _catch_sigterm(self) -> Any:
-        """Turn SIGTERM into a request to stop at the next agreed point (main thread only)."""
-        if threading.current_thread() is not threading.main_thread():
-            return None
+    def _epoch(self, epoch: int) -> dict[str, float]:
+        """Train one epoch, validate, checkpoint when due or when it is the best so far."""
+        cfg, t0, history = self.config, time.perf_counter(), self.history
+        train = self.train_epoch(epoch)
+        val = self.evaluate()
+        history["samples"] += train["samples"]
+        history["train_time_s"] += time.perf_counter() - t0
+        score = val.get(self.task.best, float("nan"))
+        improved = history["best"] is None or _better(score, history["best"], self.task.mode)
+        if improved:
+            history["best"], history["best_epoch"] = score, epoch
+        self.progress.epoch, self.progress.samples_in_epoch = epoch, 0
+        self.hooks.on_row(self, {
+            "split": "val", "epoch": epoch, "step": self.progress.step, **val,
+            **{f"train_{k}": v for k, v in train.items() if k != "samples"},
+            "epoch_time_s": time.perf_counter() - t0,
+        })
+        due = epoch == cfg.epochs or (cfg.save_every and epoch % cfg.save_every == 0)
+        if (due or improved) and self._may_save():
+            self.save(best=improved)
+        return val
 
-        def request_stop(signum: int, frame: Any) -> None:
-            self._stop_requested = True
+    def _summary(self, val: dict[str, float]) -> dict[str, Any]:
+        """The run's figures, across every resume of it."""
+        h, task = self.history, self.task
+        return {
+            "run_id": self.config.run_id, "run_dir": str(self.config.run_dir),
+            "epochs": self.config.epochs,
+            "steps": self.progress.step, "world_size": self.ctx.world_size, "task": task.name,
+            **{f"val_{k}": v for k, v in val.items() if k != "samples"},
+            "best_metric": task.best, f"best_val_{task.best}": h["best"],
+            "best_epoch": h["best_epoch"], "train_time_s": h["train_time_s"],
+            "samples": h["samples"],
+            "samples_per_sec": h["samples"] / h["train_time_s"] if h["train_time_s"] else 0.0,
+            "bad_steps": self.progress.bad_steps, "first_step_s": self.first_step_s,
+        }
 
-        return signal.signal(signal.SIGTERM, request_stop)
+    def _may_save(self) -> bool:
+        """No checkpoint at a skipped (non-finite) step: the newest stays the last good."""
+        if self.progress.bad_streak:
+            log.warning("step %d was skipped: no checkpoint written", self.progress.step)
+        return not self.progress.bad_streak
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         cfg, ctx = self.config, self.ctx
@@ -270,6 +330,8 @@ class Trainer:
             meter.sums.commit(keep=good)
             self.progress.count_step(good, self.config.max_bad_steps, self.config.ckpt_dir)
             self.progress.samples_in_epoch = micro.position
+            if self.first_step_s is None:
+                self._first_step_done()
             self.hooks.on_step_end(self)
             step = self.progress.step
             log_now = step % cfg.log_interval == 0
@@ -278,28 +340,41 @@ class Trainer:
                 continue
             # The one all-reduce of metric totals also carries the stop request, so all
             # ranks learn of a SIGTERM at the same step.
-            totals, stop = meter.sums.global_totals_and_flag(ctx, self._stop_requested)
+            totals, stop = meter.sums.global_totals_and_flag(ctx, self.stop.requested)
             if log_now:
                 self._log_interval(epoch, meter, totals, inputs)
             if save_now or stop:
                 self._save_mid_epoch(meter, totals, stop)
-        totals, stop = meter.sums.global_totals_and_flag(ctx, self._stop_requested)
+        totals, stop = meter.sums.global_totals_and_flag(ctx, self.stop.requested)
         if stop:
             self._save_mid_epoch(meter, totals, stop)
         return meter.sums.summarize(totals)
 
+    def _first_step_done(self) -> None:
+        self.first_step_s = time.perf_counter() - self._t_fit
+        if self.config.compile:
+            log.info("first step (compilation included) took %.1fs", self.first_step_s)
+
+    def plan(self) -> RunPlan:
+        """The run's arithmetic (see `ddptrain.plan`)."""
+        return make_plan(
+            self.config, self.data, self.ctx.world_size, str(self.ctx.device),
+            self.ctx.backend or "none", self.precision.describe(), self.task.name,
+            sum(p.numel() for p in self.module.parameters()), self.strategy.name,
+        )
+
     def _save_mid_epoch(self, meter: EpochMeter, totals: list[float], stop: bool) -> None:
         """Checkpoint with the epoch's running totals; on an agreed stop, end the run."""
-        self.save({"totals": totals, "logged": meter.logged})
+        saved = self._may_save()
+        if saved:
+            self.save({"totals": totals, "logged": meter.logged})
         if stop:
-            raise Preempted(
-                f"stopped by SIGTERM at step {self.progress.step} after a checkpoint"
-            )
+            raise self.stop.error(self.progress.step, saved)
 
     def _forward_backward(self, batch: Any, micro: Micro, sums: MetricSums) -> Any:
         """Forward and backward of one micro-batch; gradients are reduced only on the
         last micro-batch of a window. Returns the model inputs (for FLOP counting)."""
-        inputs, targets = split(to_device(batch, self.ctx.device))
+        inputs, targets = split(to_device(batch, self.ctx.device, self._memory_format))
         with self.strategy.no_backward_sync(self.model, skip=not micro.ends_window):
             with self.precision.autocast():
                 out = self.call(self.model, inputs)
@@ -384,7 +459,7 @@ class Trainer:
         self.module.eval()
         sums = MetricSums(self.task, ctx.device)
         for batch in self.val_loader:
-            inputs, targets = split(to_device(batch, ctx.device))
+            inputs, targets = split(to_device(batch, ctx.device, self._memory_format))
             with self.precision.autocast():
                 out = self.call(self.module, inputs)
             sums.update(self.scorer.score(out, targets, inputs))
@@ -392,12 +467,13 @@ class Trainer:
         self.module.train()
         return sums.summarize(sums.global_totals(ctx))
 
-    def save(self, meter: dict[str, Any] | None = None) -> None:
+    def save(self, meter: dict[str, Any] | None = None, best: bool = False) -> None:
         cfg = self.config
         path = save_checkpoint(
-            cfg.ckpt_dir, self.progress.step, self.state_dict(meter), self.ctx, cfg.keep_last
+            cfg.ckpt_dir, self.progress.step, self.state_dict(meter), self.ctx, cfg.keep_last,
+            best=best,
         )
-        log.info("checkpoint %s", path)
+        log.info("checkpoint %s%s", path, " (best so far)" if best else "")
 
 
 def _better(score: float, best: float, mode: str) -> bool:

@@ -1,0 +1,109 @@
+"""Processes the fault and lifecycle tests start: launched in their own process group,
+reaped after every test, and watched for checkpoints; plus weight and log comparisons."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BIN, child_env
+from safetensors.torch import load_file
+
+from ddptrain.checkpoint import list_checkpoints
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "model.safetensors"))
+
+
+def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_log(run: Path, reference: Path) -> None:
+    """Every train step and every epoch once, with the reference's values."""
+    got, want = rows(run), rows(reference)
+    key = [(r["split"], r["epoch"], r["step"]) for r in got]
+    assert key == [(r["split"], r["epoch"], r["step"]) for r in want]
+    for g, w in zip(got, want, strict=True):
+        for field in ("loss", "accuracy", "mse", "perplexity", "lr", "samples"):
+            if field in w:
+                assert g[field] == pytest.approx(w[field], rel=1e-9, abs=1e-12), (g, w)
+
+
+STARTED: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def reap() -> Iterator[None]:
+    """Kill whatever a test started and left running (a failed assertion, a timeout)."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def popen(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group, so reap gets the workers too
+    )
+    STARTED.append(proc)
+    return proc
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    return popen([sys.executable, "-m", "ddptrain", *args], cwd, child_env())
+
+
+def wait_for_step(ckpt_dir: Path, step: int, proc: subprocess.Popen[str], limit: float = 120):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        found = list_checkpoints(ckpt_dir)
+        if found and int(found[0].stem.split("_")[1]) >= step:
+            return
+        assert proc.poll() is None, f"finished before step {step}: {proc.stderr.read()[-2000:]}"
+        time.sleep(0.02)
+    raise AssertionError(f"no checkpoint at step {step} within {limit}s")
+
+
+def worker_pids(agent: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(agent)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in environ:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+def torchrun(args: list[str], cwd: Path, extra: list[str]) -> subprocess.Popen[str]:
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", *extra,
+           "-m", "ddptrain", *args]
+    return popen(cmd, cwd, child_env())
+
+
