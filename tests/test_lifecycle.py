@@ -127,8 +127,8 @@ def test_a_torchrun_restart_resumes_the_newest_checkpoint_not_resume_from(
     assert proc.returncode == 0, proc.stderr[-2000:]
     early = list_checkpoints(run / "checkpoints")[-1]  # step 5
     agent = torchrun(
-        [*LONG, "--output_dir", str(run), "--resume_from", str(early)], tmp_path,
-        ["--max_restarts=1"],
+        [*LONG, "--epochs", "2", "--output_dir", str(run), "--resume_from", str(early)],
+        tmp_path, ["--max_restarts=1"],
     )
     wait_for_step(run / "checkpoints", 200, agent)  # past the first job's 180 steps
     (victim,) = [p for p in worker_pids(agent.pid) if rank_of(p) == 1]

@@ -17,7 +17,9 @@ def _rows(run: Path) -> list[dict]:
 
 
 def _strip_timing(row: dict) -> dict:
-    timing = {"samples_per_sec", "step_time_s", "data_wait_frac", "peak_rss_mb", "epoch_time_s"}
+    # timing, and the run id: a resume into a new directory is a new run of the same job
+    timing = {"samples_per_sec", "step_time_s", "data_wait_frac", "peak_rss_mb", "epoch_time_s",
+              "run_id"}
     return {k: v for k, v in row.items() if k not in timing}
 
 

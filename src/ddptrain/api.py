@@ -35,10 +35,8 @@ from ddptrain.rundir import (
 log = logging.getLogger("ddptrain")
 
 
-def prepare_run_dir(config: TrainingConfig) -> None:
-    """Create the run directory and write the resolved config (rank 0, before the group)."""
-    from ddptrain.config import dump_yaml
-
+def make_run_dirs(config: TrainingConfig) -> None:
+    """Create the run and checkpoint directories, or say why they cannot be written."""
     for directory, flag in ((config.run_dir, "output_dir"), (config.ckpt_dir, "checkpoint_dir")):
         try:
             directory.mkdir(parents=True, exist_ok=True)
@@ -50,7 +48,6 @@ def prepare_run_dir(config: TrainingConfig) -> None:
                 f"--{flag} {str(directory)!r} is not writable ({exc.strerror}): "
                 "choose a directory you can write to"
             ) from None
-    dump_yaml(config, config.run_dir / "config.yaml")
 
 
 def fit(
@@ -113,11 +110,14 @@ def fit(
     if cluster.rank == 0:
         if resume_source(config.resume_from) is None:
             refuse_occupied(config)
+        make_run_dirs(config)
         lock.acquire()
     try:
         if cluster.rank == 0:
+            from ddptrain.config import dump_yaml
+
             config = _with_run_id(config)
-            prepare_run_dir(config)
+            dump_yaml(config, config.run_dir / "config.yaml")
             log.info("run %s in %s", config.run_id, config.run_dir)
         ctx = setup_distributed(config, cluster)
         clean = False

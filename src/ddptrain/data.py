@@ -30,7 +30,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    Subset,
+    TensorDataset,
+    get_worker_info,
+)
 
 from ddptrain.batches import first_tensor, num_samples, split
 from ddptrain.config import TrainingConfig, npy_targets
@@ -70,6 +77,40 @@ class ArrayDataset(Dataset):
 
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._convert(self.x[idx]), self.y[idx]
+
+
+class TensorBatches(ArrayDataset):
+    """A user's `TensorDataset` (or a `Subset` of one), sliced a batch at a time like an
+    `ArrayDataset` instead of collating samples one by one."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], rows: torch.Tensor | None) -> None:
+        super().__init__(tensors[0], tensors[-1])
+        self.tensors, self.rows = tensors, rows
+
+    def __len__(self) -> int:
+        return len(self.rows) if self.rows is not None else len(self.tensors[0])
+
+    def __getitem__(self, i: int) -> Any:
+        return tuple(t[0] for t in self.batch(torch.tensor([i])))
+
+    def batch(self, idx: torch.Tensor) -> Any:  # type: ignore[override]
+        if self.rows is not None:
+            idx = self.rows[idx]
+        return tuple(t[idx] for t in self.tensors)
+
+
+def as_sliceable(dataset: Dataset) -> Dataset:
+    """The same samples, sliceable in-process when the dataset is a `TensorDataset` or a
+    `Subset` of one; any other dataset as it is."""
+    rows = None
+    base = dataset
+    if isinstance(base, Subset) and isinstance(base.dataset, TensorDataset):
+        rows, base = torch.as_tensor(list(base.indices), dtype=torch.long), base.dataset
+    if type(base) is TensorDataset or (
+        isinstance(base, TensorDataset) and type(base).__getitem__ is TensorDataset.__getitem__
+    ):
+        return TensorBatches(base.tensors, rows)
+    return dataset
 
 
 class MemmapDataset(ArrayDataset):
@@ -495,6 +536,8 @@ class TrainBatches:
         self.steps_per_epoch = steps_per_epoch(
             self.n, ctx.world_size, config.batch_size, config.grad_accum_steps, config.drop_last
         )
+        if config.num_workers == 0:
+            dataset = self.dataset = as_sliceable(dataset)
         self.in_process = isinstance(dataset, ArrayDataset) and config.num_workers == 0
         self.sampler = PlanSampler()
         self.loader = None if self.in_process else _dataloader(
@@ -649,6 +692,8 @@ def make_val_loader(dataset: Dataset, config: TrainingConfig, ctx: DistributedCo
     if isinstance(dataset, IterableDataset):
         return make_iterable_loader(dataset, config, ctx)
     indices = torch.arange(ctx.rank, len(dataset), ctx.world_size)  # type: ignore[arg-type]
+    if config.num_workers == 0:
+        dataset = as_sliceable(dataset)
     if isinstance(dataset, ArrayDataset) and config.num_workers == 0:
         return _ArrayBatches(dataset, indices, config.batch_size)
     return _dataloader(dataset, config, ctx, batch_size=config.batch_size,

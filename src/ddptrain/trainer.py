@@ -124,6 +124,7 @@ class Trainer:
             # plain module (checkpoints, evaluation) keeps its own parameter names.
             self.model = torch.compile(self.model)
         self.first_step_s: float | None = None
+        self._t_fit = time.perf_counter()
 
     @property
     def _memory_format(self) -> torch.memory_format | None:
