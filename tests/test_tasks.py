@@ -345,3 +345,29 @@ DIABETES_DEMO = ["--dataset", "diabetes", "--epochs", "40", "--batch_size", "16"
                  "--lr", "0.005", "--width", "32"]
 CHARS_DEMO = ["--dataset", "chars", "--epochs", "20", "--batch_size", "16",
               "--optimizer", "adamw", "--lr", "0.003"]
+
+
+def test_lm_loss_is_the_mean_over_every_target_token_of_the_step(tmp_path: Path) -> None:
+    # One optimizer step over the whole training set in two micro-batches whose token
+    # counts differ: the update must be lr x the gradient of (summed token loss / tokens).
+    from taskplug import TinyLM, tokens
+
+    train, _ = tokens(None)
+    cfg = TrainingConfig(
+        dataset="taskplug:tokens", model="taskplug:tiny_lm", epochs=1, batch_size=36,
+        grad_accum_steps=2, lr=0.5, momentum=0.0, weight_decay=0.0, use_amp=False,
+        output_dir=str(tmp_path / "lm"), tensorboard=False,
+    )
+    torch.manual_seed(cfg.seed)
+    reference = TinyLM(11)
+    start = {k: v.clone() for k, v in reference.state_dict().items()}
+    x, y = train.tensors
+    loss = torch.nn.functional.cross_entropy(
+        reference(x).reshape(-1, 11), y.reshape(-1), ignore_index=-100, reduction="sum"
+    ) / (y != -100).sum()
+    loss.backward()
+    fit(cfg)
+    got = _weights(tmp_path / "lm")
+    for name, p in reference.named_parameters():
+        want = start[name] - 0.5 * p.grad
+        assert torch.allclose(got[name], want, atol=1e-6), name

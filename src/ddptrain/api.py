@@ -138,10 +138,10 @@ def _with_run_id(config: TrainingConfig) -> TrainingConfig:
     """A fresh run gets a new id; a resumed one keeps the id its directory records."""
     import dataclasses
 
-    if config.run_id is not None:
-        return config
-    run_id = saved_run_id(config.run_dir) if resume_source(config.resume_from) else None
-    return dataclasses.replace(config, run_id=run_id or new_run_id())
+    if resume_source(config.resume_from) is None:  # also when --config repeats a run
+        return dataclasses.replace(config, run_id=new_run_id())
+    run_id = saved_run_id(config.run_dir) or config.run_id or new_run_id()
+    return dataclasses.replace(config, run_id=run_id)
 
 
 def _finished_summary(config: TrainingConfig) -> dict[str, Any] | None:
