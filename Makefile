@@ -65,4 +65,4 @@ $(BENCH_STAMP): pyproject.toml
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
-	$(BENCH_VENV)/bin/python bench/run.py --repeats 5
+	$(BENCH_VENV)/bin/python bench/run.py --repeats 3

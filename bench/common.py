@@ -20,19 +20,34 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.config import TrainingConfig
-from ddptrain.data import DataBundle, load_data
+from ddptrain.data import ArrayDataset, DataBundle, load_data
 from ddptrain.optim import warmup_cosine
 
-# The two workloads: overhead-dominated (a tiny MLP, ~1 ms steps) and compute-dominated
-# (MiniResNet on 3x32x32 images). Sizes are chosen to run in seconds on one CPU thread.
+# The contest's workloads: overhead-dominated (a tiny MLP, ~1 ms steps), compute-dominated
+# (MiniResNet on 3x32x32 images), and a user's own TensorDataset (`bench/userdata.py`),
+# which ddptrain reads through its user-dataset path and the others through a plain
+# DataLoader: once in the training process, once with 2 loader workers per rank. Sizes
+# are chosen to run in seconds on one CPU thread.
+USER_DATASET = "bench.userdata:tabular"
 WORKLOADS: dict[str, dict[str, Any]] = {
     "mlp": {"dataset": "breast_cancer", "batch_size": 8, "width": 64},
     "resnet": {"dataset": "synthetic", "synthetic_size": 1280, "width": 16, "batch_size": 32},
+    # A TensorDataset carries no class count for ddptrain to read: the user passes it.
+    "dataset": {"dataset": USER_DATASET, "num_classes": 2, "batch_size": 32, "width": 64},
+    "workers": {
+        "dataset": USER_DATASET, "num_classes": 2, "batch_size": 32, "width": 64,
+        "num_workers": 2,
+    },
 }
-TIMED_EPOCHS = {"mlp": 20, "resnet": 2}
+# Run by ddptrain alone (torch.compile against eager), never by the other contestants.
+DDPTRAIN_ONLY: dict[str, dict[str, Any]] = {
+    "gpt": {"dataset": "chars", "model": "gpt", "block_size": 64, "width": 64, "batch_size": 16},
+}
+ALL_WORKLOADS = {**WORKLOADS, **DDPTRAIN_ONLY}
+TIMED_EPOCHS = {"mlp": 20, "resnet": 2, "dataset": 2, "workers": 2, "gpt": 2}
 LAUNCH_ENV = "BENCH_LAUNCH_T"  # wall-clock time at which the orchestrator started torchrun
 
 
@@ -40,7 +55,7 @@ def parse_args(
     extra: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--workload", choices=sorted(ALL_WORKLOADS), required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timed_epochs", type=int, default=None)
     parser.add_argument("--grad_accum_steps", type=int, default=1)
@@ -56,7 +71,7 @@ def parse_args(
 
 
 def workload_config(name: str, **overrides: Any) -> TrainingConfig:
-    fields = {**WORKLOADS[name], "device": "cpu", "use_amp": False, "save_every": 0}
+    fields = {**ALL_WORKLOADS[name], "device": "cpu", "use_amp": False, "save_every": 0}
     return TrainingConfig(**{**fields, **overrides}).validate()
 
 
@@ -69,11 +84,26 @@ def passthrough(batch: Any) -> Any:
     return batch
 
 
+def loader_kwargs(dataset: Dataset, config: TrainingConfig) -> dict[str, Any]:
+    """What every hand-built loader shares: the batch, the collate and the workers.
+
+    ddptrain's own arrays hand out whole batches (no collate needed); a user's dataset
+    gets the default collate of single samples. Workers persist across epochs, as
+    ddptrain's do: respawning them every epoch would be a cost of the setting, not of
+    the loop.
+    """
+    workers = config.num_workers
+    return {
+        "batch_size": config.batch_size,
+        "collate_fn": passthrough if isinstance(dataset, ArrayDataset) else None,
+        "num_workers": workers,
+        "persistent_workers": workers > 0,
+    }
+
+
 def plain_loader(data: DataBundle, config: TrainingConfig) -> DataLoader:
     """The loader a Fabric or Accelerate user hands over: shuffled, not yet sharded."""
-    return DataLoader(
-        data.train, batch_size=config.batch_size, shuffle=True, collate_fn=passthrough
-    )
+    return DataLoader(data.train, shuffle=True, **loader_kwargs(data.train, config))
 
 
 def schedule(
@@ -96,6 +126,7 @@ class StepClock:
 
     launch: float = float(os.environ.get(LAUNCH_ENV, time.time()))
     first_step_s: float | None = None
+    first_step_at: float | None = None  # perf_counter() at the end of the first step
     steps: int = 0
     timed_steps: int = 0
     t0: float = 0.0
@@ -104,6 +135,7 @@ class StepClock:
     def step(self) -> None:
         if self.first_step_s is None:
             self.first_step_s = time.time() - self.launch
+            self.first_step_at = time.perf_counter()
         self.steps += 1
 
     def start(self) -> None:
@@ -115,6 +147,20 @@ class StepClock:
         barrier()
         self.seconds = time.perf_counter() - self.t0
         self.timed_steps = self.steps - self.steps_at_start
+
+
+def process_started() -> float | None:
+    """Wall-clock time at which this process started, from Linux's /proc (10 ms ticks),
+    to tell the launcher's share of the start-up from the interpreter's and the imports'.
+    None where /proc is not there."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces; the fields after it are plain numbers.
+    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def barrier() -> None:

@@ -222,11 +222,11 @@ def test_diverged_run_stops_with_exit_4_and_keeps_last_good_checkpoint(tmp_path:
 
 TASK_JOBS = {
     # 354 training samples in batches of 2: 177 steps an epoch
-    "regression": ["train", "--dataset", "diabetes", "--batch_size", "2", "--epochs", "4",
+    "regression": ["train", "--dataset", "diabetes", "--batch_size", "2", "--epochs", "2",
                    "--lr", "0.002", "--save_every_steps", "7", "--log_interval", "10"],
-    # 2027 windows of 16 characters in batches of 8: 254 steps an epoch
+    # 2027 windows of 16 characters in batches of 16: 127 steps an epoch
     "lm": ["train", "--dataset", "chars", "--block_size", "16", "--width", "16",
-           "--batch_size", "8", "--epochs", "2", "--optimizer", "adamw", "--lr", "0.003",
+           "--batch_size", "16", "--epochs", "2", "--optimizer", "adamw", "--lr", "0.003",
            "--save_every_steps", "7", "--log_interval", "10"],
 }
 
@@ -241,7 +241,7 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_exact_for_other_tasks(
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
     killed = start([*job, "--output_dir", str(run)], tmp_path)
-    wait_for_step(run / "checkpoints", 300, killed)  # in epoch 2, mid-epoch
+    wait_for_step(run / "checkpoints", 200, killed)  # in epoch 2, mid-epoch
     killed.kill()
     killed.wait()
     resumed = run_cli([*job, "--output_dir", str(run), "--resume_from", "auto"], cwd=tmp_path)

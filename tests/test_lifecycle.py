@@ -68,7 +68,8 @@ def test_a_fresh_run_never_writes_into_another_runs_directory(tmp_path: Path) ->
 
 def test_each_fresh_run_gets_its_own_directory_and_id(tmp_path: Path) -> None:
     for dataset in ("breast_cancer", "digits"):
-        proc = run_cli([*QUICK, "--dataset", dataset, "--model", "mlp"], cwd=tmp_path)
+        proc = run_cli([*QUICK, "--epochs", "1", "--dataset", dataset, "--model", "mlp"],
+                       cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
     dirs = sorted((tmp_path / "runs").iterdir())
     assert [d.name.split("-")[0] for d in dirs] == ["breast_cancer", "digits"]
@@ -127,10 +128,11 @@ def test_a_torchrun_restart_resumes_the_newest_checkpoint_not_resume_from(
     assert proc.returncode == 0, proc.stderr[-2000:]
     early = list_checkpoints(run / "checkpoints")[-1]  # step 5
     agent = torchrun(
-        [*LONG, "--epochs", "2", "--output_dir", str(run), "--resume_from", str(early)],
+        [*LONG, "--output_dir", str(run), "--resume_from", str(early)],
         tmp_path, ["--max_restarts=1"],
     )
-    wait_for_step(run / "checkpoints", 200, agent)  # past the first job's 180 steps
+    # past the first job's 180 steps (2 ranks: 90 steps an epoch, 270 in all)
+    wait_for_step(run / "checkpoints", 200, agent)
     (victim,) = [p for p in worker_pids(agent.pid) if rank_of(p) == 1]
     os.kill(victim, signal.SIGKILL)
     out, err = agent.communicate(timeout=240)

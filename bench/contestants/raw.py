@@ -26,8 +26,8 @@ from bench.allreduce import AllReduceCounter
 from bench.common import (
     StepClock,
     build_data,
+    loader_kwargs,
     parse_args,
-    passthrough,
     report,
     schedule,
     sgd,
@@ -62,9 +62,7 @@ def run(args: argparse.Namespace, world: int) -> None:
     counting = args.count_allreduce and isinstance(model, DDP)
     counter = AllReduceCounter().attach(model) if counting else None  # type: ignore[arg-type]
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, seed=config.seed)
-    loader = DataLoader(
-        data.train, batch_size=config.batch_size, sampler=sampler, collate_fn=passthrough
-    )
+    loader = DataLoader(data.train, sampler=sampler, **loader_kwargs(data.train, config))
     epochs = 1 + args.timed_epochs
     steps_per_epoch = -(-len(loader) // config.grad_accum_steps)
     optimizer = sgd(model, config)

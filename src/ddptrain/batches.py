@@ -42,6 +42,19 @@ def to_device(
     return batch
 
 
+def mark_batch_dynamic(inputs: Any) -> None:
+    """Tell torch.compile the first dimension of every input varies, so an epoch's short
+    last batch reuses the compiled graph instead of compiling another."""
+    if isinstance(inputs, torch.Tensor):
+        if inputs.ndim:
+            torch._dynamo.maybe_mark_dynamic(inputs, 0)
+        return
+    items = inputs.values() if isinstance(inputs, Mapping) else inputs
+    if isinstance(items, (list, tuple)) or isinstance(inputs, Mapping):
+        for item in items:
+            mark_batch_dynamic(item)
+
+
 def first_tensor(value: Any) -> torch.Tensor | None:
     """The first tensor leaf of a nested value (its first dimension is the batch)."""
     if isinstance(value, torch.Tensor):

@@ -103,7 +103,8 @@ def _lost_peer(exc: BaseException) -> bool:
         return True
     # gloo reports a dead or silent peer as a plain RuntimeError from its transport.
     text = str(exc)
-    return isinstance(exc, RuntimeError) and "gloo/transport" in text
+    signs = ("gloo/transport", "pair closure", "Connection closed by peer", "Connection reset")
+    return isinstance(exc, RuntimeError) and any(sign in text for sign in signs)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -169,4 +170,7 @@ def _report(text: str) -> None:
     """One line on stderr; ranks other than 0 say who they are."""
     rank = _rank()
     prefix = "" if rank == "0" else f"[rank {rank}] "
-    print(f"{prefix}ddptrain: {text}", file=sys.stderr, flush=True)
+    # One write per line: ranks share the launcher's stderr, and print() writes the text
+    # and its newline separately, so two ranks' lines could run together.
+    sys.stderr.write(f"{prefix}ddptrain: {text}\n")
+    sys.stderr.flush()

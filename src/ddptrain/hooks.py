@@ -22,7 +22,7 @@ log = logging.getLogger("ddptrain")
 _NOT_METRICS = {
     "split", "epoch", "step", "samples", "lr", "samples_per_sec", "step_time_s",
     "data_wait_frac", "peak_rss_mb", "bad_steps", "epoch_time_s", "tokens", "peak_cuda_mb",
-    "tflops_per_sec", "mfu",
+    "tflops_per_sec", "mfu", "run_id", "first_step_s",
 }
 
 
@@ -155,7 +155,15 @@ class Console(Hook):
 
 class Curves(Hook):
     """Leaves `curves.png` in the run directory at the end (rank 0), when matplotlib is
-    installed."""
+    installed.
+
+    Drawing costs about a second and a half of imports and rendering on a small CPU, so by
+    default a detached `ddptrain plot` process draws it while this one tears down and
+    exits: the file appears a moment after the run ends. With `sync` (a tracker that
+    uploads it), it is drawn here, before the tracker's `on_fit_end`."""
+
+    def __init__(self, sync: bool = False) -> None:
+        self.sync = sync
 
     def on_fit_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         if not trainer.ctx.is_main:
@@ -163,7 +171,17 @@ class Curves(Hook):
         from ddptrain.plot import matplotlib_available, plot_runs
 
         run_dir = trainer.config.run_dir
+        out = run_dir / "curves.png"
         if not matplotlib_available():
             log.info("matplotlib is not installed: no curves.png (pip install 'ddptrain[viz]')")
-            return
-        log.info("curves %s", plot_runs([run_dir], run_dir / "curves.png"))
+        elif self.sync:
+            log.info("curves %s", plot_runs([run_dir], out))
+        else:
+            import subprocess
+
+            subprocess.Popen(
+                [sys.executable, "-m", "ddptrain", "plot", str(run_dir), "-o", str(out)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True,  # not ours to wait for, nor to take down with us
+            )
+            log.info("curves %s (drawn in the background)", out)

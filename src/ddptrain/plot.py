@@ -1,4 +1,4 @@
-"""Training curves from run directories: loss, accuracy, learning rate and throughput.
+"""Training curves from run directories: loss, the task's metric, learning rate, throughput.
 
     ddptrain plot runs/a runs/b -o curves.png     # several runs overlaid, one colour each
 
@@ -15,13 +15,29 @@ from typing import Any
 
 from ddptrain.config import ConfigError
 
-# (row field, panel title, also draw the validation rows' field of the same name)
+# (row field, panel title, also draw the validation rows' field of the same name); METRIC
+# stands for the run's first task metric (accuracy, mse, f1, perplexity, ...).
+METRIC = "<metric>"
 PANELS: tuple[tuple[str, str, bool], ...] = (
     ("loss", "loss", True),
-    ("accuracy", "accuracy", True),
+    (METRIC, METRIC, True),
     ("lr", "learning rate", False),
     ("samples_per_sec", "throughput (samples/s, all ranks)", False),
 )
+
+
+def task_metric(rows: list[dict[str, Any]]) -> str | None:
+    """The first figure of the task in a run's validation rows that is not the loss
+    itself (regression's mse is)."""
+    from ddptrain.hooks import _NOT_METRICS
+
+    for row in rows:
+        if row.get("split") == "val":
+            for name, value in row.items():
+                if (name not in _NOT_METRICS and not name.startswith("train_")
+                        and isinstance(value, (int, float)) and value != row.get("loss")):
+                    return name
+    return None
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -60,7 +76,9 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     for i, (run_dir, rows) in enumerate(runs):
         colour = colours[i % len(colours)]
         name = run_dir.resolve().name
-        for ax, (field, title, with_val) in zip(axes.flat, PANELS, strict=True):
+        metric = task_metric(rows) or "accuracy"
+        for ax, (panel, title, with_val) in zip(axes.flat, PANELS, strict=True):
+            field = metric if panel == METRIC else panel
             steps, values = _series(rows, "train", field)
             if steps:
                 ax.plot(steps, values, color=colour, linewidth=1.4, label=f"{name} train")
@@ -71,14 +89,16 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
                         steps, values, color=colour, linestyle="--", marker="o", markersize=3,
                         label=f"{name} val",
                     )
-            ax.set_title(title)
+            ax.set_title(field if panel == METRIC else title)
     for ax in axes.flat:
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize="small")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    from ddptrain.files import staged
+
+    with staged(out) as tmp:  # readers never see a half-drawn file
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     return out
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.batches import ModelCall, split, to_device
+from ddptrain.batches import ModelCall, mark_batch_dynamic, split, to_device
 from ddptrain.checkpoint import (
     export_safetensors_state,
     gather_rng_states,
@@ -113,8 +113,8 @@ class Trainer:
             run_id=config.run_id,
         )
         self.hooks = Hooks([
-            self.writer, Console(), StepProfiler(config, ctx, self.steps_per_epoch), Curves(),
-            *tracker_hooks(config, ctx), *hooks,
+            self.writer, Console(), StepProfiler(config, ctx, self.steps_per_epoch),
+            Curves(sync=config.tracker != "none"), *tracker_hooks(config, ctx), *hooks,
         ])
         torch.manual_seed(config.seed + ctx.rank)  # per-rank randomness (dropout, user aug.)
         self.resumed_from = self._resume()
@@ -376,6 +376,8 @@ class Trainer:
         """Forward and backward of one micro-batch; gradients are reduced only on the
         last micro-batch of a window. Returns the model inputs (for FLOP counting)."""
         inputs, targets = split(to_device(batch, self.ctx.device, self._memory_format))
+        if self.config.compile:
+            mark_batch_dynamic(inputs)
         with self.strategy.no_backward_sync(self.model, skip=not micro.ends_window):
             with self.precision.autocast():
                 out = self.call(self.model, inputs)
