@@ -249,3 +249,21 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_exact_for_other_tasks(
     assert "resumed from" in resumed.stdout
     assert_bitwise(weights(run), weights(reference))
     assert_same_log(run, reference)
+
+
+def test_iterable_dataset_with_state_resumes_mid_epoch_exactly(tmp_path: Path) -> None:
+    job = ["train", "--dataset", "taskplug:stateful_stream", "--model", "mlp",
+           "--batch_size", "8", "--epochs", "2", "--save_every_steps", "7", "--log_interval", "10"]
+    reference = tmp_path / "reference"
+    proc = run_cli([*job, "--output_dir", str(reference)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    killed = start([*job, "--output_dir", str(run)], tmp_path)
+    wait_for_step(run / "checkpoints", 1000, killed)  # 750 steps an epoch: in epoch 2
+    killed.kill()
+    killed.wait()
+    resumed = run_cli([*job, "--output_dir", str(run), "--resume_from", "auto"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "restarts from its beginning" not in resumed.stdout + resumed.stderr
+    assert_bitwise(weights(run), weights(reference))
+    assert_same_log(run, reference)

@@ -81,15 +81,20 @@ def _as_tuple(value: Any) -> Any:
     return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
+def gather_to_main(value: Any, ctx: DistributedContext) -> list[Any] | None:
+    """Every rank's `value` (plain data, CPU tensors), as a list on rank 0; None elsewhere."""
+    if not ctx.distributed:
+        return [value]
+    out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(value, out, dst=0)
+    return out
+
+
 def gather_rng_states(ctx: DistributedContext) -> list[dict[str, Any]] | None:
     """Every rank's RNG state, on rank 0 (None elsewhere)."""
     mine = rng_state(ctx.device)
-    if not ctx.distributed:
-        return [mine]
     cpu_mine = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in mine.items()}
-    out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
-    dist.gather_object(cpu_mine, out, dst=0)
-    return out
+    return gather_to_main(cpu_mine, ctx)
 
 
 # ---------------------------------------------------------------------- writing

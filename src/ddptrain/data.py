@@ -431,7 +431,8 @@ class Micro:
     global_samples: int  # samples of the global micro-batch (every rank)
     window_samples: int  # samples of the optimizer step it belongs to (every rank)
     ends_window: bool  # the last micro-batch of its optimizer step
-    position: int  # global samples of the epoch consumed once it is done
+    position: int  # global samples of the epoch consumed once it is done (for an iterable
+    #                dataset: this rank's micro-batches of the epoch)
 
 
 def plan_epoch(
@@ -578,15 +579,27 @@ class RankShard(IterableDataset):
 
     def __init__(self, dataset: IterableDataset, world_size: int, rank: int) -> None:
         self.dataset, self.world_size, self.rank = dataset, world_size, rank
+        self.consumed = 0  # items of the underlying stream read in this epoch
+        self._start = 0  # where the next iteration starts (a resume)
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         workers, wid = (info.num_workers, info.id) if info else (1, 0)
         stride = self.world_size * workers
         offset = self.rank * workers + wid
-        for i, item in enumerate(self.dataset):
+        start, self._start = self._start, 0
+        self.consumed = start
+        for i, item in enumerate(self.dataset, start=start):
+            self.consumed = i + 1
             if i % stride == offset:
                 yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self.consumed, "dataset": self.dataset.state_dict()}  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state["dataset"])  # type: ignore[attr-defined]
+        self._start = int(state["consumed"])
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.dataset, "set_epoch"):
@@ -602,8 +615,15 @@ class IterableBatches:
         self, dataset: IterableDataset, config: TrainingConfig, ctx: DistributedContext
     ) -> None:
         self.loader = make_iterable_loader(dataset, config, ctx)
+        self.shard: RankShard = self.loader.dataset  # type: ignore[assignment]
         self.ctx, self.accum = ctx, config.grad_accum_steps
         self._flag = torch.zeros(1, device=ctx.device)
+        # Exact mid-epoch resume needs the dataset's own position, read in this process.
+        self.stateful = config.num_workers == 0 and all(
+            hasattr(dataset, name) for name in ("state_dict", "load_state_dict")
+        )
+        self.state: dict[str, Any] | None = None  # after the last batch handed out
+        self._resumed = False
         try:
             n = len(dataset)  # type: ignore[arg-type]
         except TypeError:
@@ -620,26 +640,40 @@ class IterableBatches:
             n, ctx.world_size, config.batch_size, config.grad_accum_steps, config.drop_last
         )
 
-    def _pull(self, it: Iterator[Any]) -> tuple[Any, bool, float]:
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the interrupted epoch where this rank's shard stood."""
+        self.shard.load_state_dict(state)
+        self._resumed = True
+
+    def _pull(self, it: Iterator[Any]) -> tuple[Any, bool, float, Any]:
         t0 = time.perf_counter()
         batch = next(it, None)
+        state = self.shard.state_dict() if self.stateful else None  # right after this batch
         self._flag.fill_(0.0 if batch is None else 1.0)
         if self.ctx.distributed:
             dist.all_reduce(self._flag, op=dist.ReduceOp.MIN)
-        return batch, bool(self._flag.item()), time.perf_counter() - t0
+        return batch, bool(self._flag.item()), time.perf_counter() - t0, state
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[Any, Micro, float]]:
-        """(batch, its place, seconds waited) for each micro-batch of the epoch (an
-        iterable dataset always starts at its beginning)."""
-        self.loader.dataset.set_epoch(epoch)  # type: ignore[attr-defined]
+        """(batch, its place, seconds waited) for each micro-batch of the epoch. The
+        position counts micro-batches; `start` > 0 continues a resumed epoch."""
+        if not self._resumed:
+            start = 0
+            self.shard.set_epoch(epoch)
+        self._resumed = False
         it = iter(self.loader)
-        batch, ok, waited = self._pull(it)
-        i = 0
+        batch, ok, waited, state = self._pull(it)
+        i = start
         while ok:
-            nxt, more, wait_next = self._pull(it)  # one ahead: is this one the last?
-            micro = Micro(0, 0, False, 0, 0, not more or (i + 1) % self.accum == 0, 0)
+            nxt, more, wait_next, state_next = self._pull(it)  # one ahead: the last one?
+            micro = Micro(0, 0, False, 0, 0, not more or (i + 1) % self.accum == 0, i + 1)
+            self.state = state
             yield batch, micro, waited
-            batch, ok, waited, i = nxt, more, wait_next, i + 1
+            batch, ok, waited, state, i = nxt, more, wait_next, state_next, i + 1
+        self.state = None
         self._count_dropped(epoch, [batch] if batch is not None else [], it)
 
     def _count_dropped(self, epoch: int, held: list[Any], it: Iterator[Any]) -> None:

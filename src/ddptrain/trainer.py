@@ -36,6 +36,7 @@ from ddptrain.batches import ModelCall, mark_batch_dynamic, split, to_device
 from ddptrain.checkpoint import (
     export_safetensors_state,
     gather_rng_states,
+    gather_to_main,
     load_model_state,
     locate_resume,
     save_checkpoint,
@@ -157,6 +158,7 @@ class Trainer:
             "world_size": self.ctx.world_size,
             "config": self.config.to_dict(),
             "rng": gather_rng_states(self.ctx),
+            "data_state": gather_to_main(self.train_batches.state_dict(), self.ctx),
             "hooks": self.hooks.state_dict(),
             "history": dict(self.history),
         }
@@ -198,9 +200,14 @@ class Trainer:
         if not self.progress.samples_in_epoch:
             return
         if self.data.iterable:
+            states = payload.get("data_state") or [None]
+            if same_layout and self.train_batches.stateful and states[0] is not None:
+                self.train_batches.load_state_dict(states[self.ctx.rank])
+                return
             log.warning(
-                "an IterableDataset cannot start part-way: epoch %d restarts from its beginning",
-                self.progress.epoch + 1,
+                "an IterableDataset without state_dict/load_state_dict (or with DataLoader "
+                "workers, or on another layout) cannot start part-way: epoch %d restarts "
+                "from its beginning", self.progress.epoch + 1,
             )
             self.progress.samples_in_epoch = 0
             self._resumed_meter = None
@@ -224,8 +231,8 @@ class Trainer:
         position = self.progress.epoch * self.steps_per_epoch + math.ceil(
             micro / cfg.grad_accum_steps
         )
-        if not self.steps_per_epoch:
-            position = self.progress.step  # no planned length: the step count is all there is
+        if not self.steps_per_epoch or self.data.iterable:
+            position = self.progress.step  # no layout to place it by: the step count is all
         if position != self.progress.step:
             log.warning(
                 "resumed on another layout (world size or batch): the schedule continues at "
