@@ -553,6 +553,11 @@ class TrainBatches:
         )
         return epoch_order(self.n, cfg.seed, epoch), plan
 
+    stateful = False  # the position in the plan is all a resume needs
+
+    def state_dict(self) -> None:
+        return None
+
     def epoch(self, epoch: int, start: int) -> Iterator[tuple[Any, Micro, float]]:
         """(batch, its place in the plan, seconds waited for it) from position `start`."""
         order, plan = self.plan(epoch, start)
