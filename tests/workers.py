@@ -92,3 +92,32 @@ def train_and_report(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
         return {"weights": weights, "bad_steps": trainer.progress.bad_steps}
 
     return _with_trainer(overrides, body)
+
+
+def fit_and_measure(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Fit, counting FSDP's gradient reduce-scatters; return this rank's figures: the
+    calls, the steps, the bytes it holds, its peak RSS and the run's summary."""
+    import torch.distributed as dist
+
+    from ddptrain.metrics import peak_rss_mb
+
+    def body(trainer: Trainer) -> dict[str, Any]:
+        calls = [0]
+        original = dist.reduce_scatter_single
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return original(*args, **kwargs)
+
+        dist.reduce_scatter_single = counting  # FSDP2 looks it up on every call
+        try:
+            summary = trainer.fit()
+        finally:
+            dist.reduce_scatter_single = original
+        return {
+            "reduce_scatters": calls[0], "steps": trainer.progress.step, "summary": summary,
+            "bytes": trainer.strategy.rank_bytes(trainer.module, trainer.optimizer),
+            "peak_rss_mb": peak_rss_mb(),
+        }
+
+    return _with_trainer(overrides, body)

@@ -25,6 +25,7 @@ from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError, TrainingStopped
 from ddptrain.rundir import (
     RunLock,
+    mark_job,
     new_run_id,
     refuse_occupied,
     resolve_layout,
@@ -108,10 +109,11 @@ def fit(
         return finished
     lock = RunLock(config.run_dir)
     if cluster.rank == 0:
-        if resume_source(config.resume_from) is None:
+        if resume_source(config.resume_from, config.run_dir) is None:
             refuse_occupied(config)
         make_run_dirs(config)
         lock.acquire()
+        mark_job(config.run_dir)
     try:
         if cluster.rank == 0:
             from ddptrain.config import dump_yaml
@@ -138,7 +140,7 @@ def _with_run_id(config: TrainingConfig) -> TrainingConfig:
     """A fresh run gets a new id; a resumed one keeps the id its directory records."""
     import dataclasses
 
-    if resume_source(config.resume_from) is None:  # also when --config repeats a run
+    if resume_source(config.resume_from, config.run_dir) is None:  # also a repeated --config
         return dataclasses.replace(config, run_id=new_run_id())
     run_id = saved_run_id(config.run_dir) or config.run_id or new_run_id()
     return dataclasses.replace(config, run_id=run_id)
@@ -152,7 +154,7 @@ def _finished_summary(config: TrainingConfig) -> dict[str, Any] | None:
 
     from ddptrain.checkpoint import find_resumable, load_checkpoint
 
-    source = resume_source(config.resume_from)
+    source = resume_source(config.resume_from, config.run_dir)
     if source is None:
         return None
     if source == "auto":

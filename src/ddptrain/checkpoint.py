@@ -139,6 +139,15 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def stamped(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with what wrote it: the format, its version, the library versions."""
+    versions = {
+        "ddptrain": __version__, "torch": str(torch.__version__),
+        "python": sys.version.split()[0],
+    }
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, **state, "versions": versions}
+
+
 def save_checkpoint(
     directory: Path, step: int, state: dict[str, Any], ctx: DistributedContext, keep_last: int,
     best: bool = False,
@@ -151,37 +160,66 @@ def save_checkpoint(
     path = directory / checkpoint_name(step)
     failure: OSError | None = None
     if ctx.is_main:
-        payload = {"format": FORMAT, "format_version": FORMAT_VERSION, **state}
-        payload["versions"] = {
-            "ddptrain": __version__,
-            "torch": str(torch.__version__),
-            "python": sys.version.split()[0],
-        }
+        payload = stamped(state)
         copies = (directory / LATEST, *((directory / BEST,) if best else ()))
         try:
             atomic_save(payload, path, copies)
             prune(directory, keep_last)
         except OSError as exc:
             failure = exc
-    code = (failure.errno or -1) if failure is not None else 0
+    agree_on_write(failure, path, directory, ctx)
+    return path
+
+
+def agree_on_write(
+    failure: BaseException | None, path: Path, directory: Path, ctx: DistributedContext,
+    who: str = "rank 0",
+) -> None:
+    """Collective (also the barrier after a write): every rank learns whether any rank's
+    write failed, and all stop with the same line naming the path and the errno."""
+    code = 0
+    if failure is not None:
+        code = (getattr(failure, "errno", None) or -1) if isinstance(failure, OSError) else -1
     if ctx.distributed:
         status = torch.tensor([float(code)])
         dist.all_reduce(status, op=dist.ReduceOp.MAX)  # also the barrier: none reads ahead
         code = int(status.item())
-    if code:
-        reason = os.strerror(code) if code > 0 else "an OS error"
-        where = f"{str(failure.filename or path)!r}" if failure is not None else str(path)
-        raise CheckpointWriteError(
-            f"rank 0 could not write the checkpoint {where}: {reason} (errno {code}); the "
-            f"previous checkpoint in {directory} is intact: free space or give another "
-            "--checkpoint_dir, then resume with --resume_from auto"
-        )
-    return path
+    if not code:
+        return
+    if code > 0:
+        reason = f"{os.strerror(code)} (errno {code})"
+    elif failure is not None and not isinstance(failure, OSError):
+        reason = _first_line(failure)
+    else:
+        reason = "an OS error"
+    name = getattr(failure, "filename", None) if failure is not None else None
+    where = repr(str(name or path))
+    raise CheckpointWriteError(
+        f"{who} could not write the checkpoint {where}: {reason}; the "
+        f"previous checkpoint in {directory} is intact: free space or give another "
+        "--checkpoint_dir, then resume with --resume_from auto"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 # ---------------------------------------------------------------------- reading
 def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
-    """Read a ddptrain checkpoint onto `device` (not onto GPU 0), or say why it can't be."""
+    """Read a ddptrain checkpoint onto `device` (not onto GPU 0), or say why it can't be.
+    For a DCP step directory that is its `meta.pt`: everything but the sharded weights
+    and optimizer state, which `checkpoint_dcp.load_sharded` reads."""
+    if path.is_dir():
+        from ddptrain.checkpoint_dcp import META, is_whole
+
+        if not is_whole(path):
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is not a whole DCP step directory (its save did "
+                "not finish): give a step_XXXXXXXXX directory, or --resume_from auto"
+            )
+        return load_checkpoint(path / META, device)
     try:
         payload = torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
@@ -207,8 +245,9 @@ def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
     return payload
 
 
-def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
-    """Load weights strictly, naming every missing, unexpected or mis-shaped entry."""
+def check_model_state(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse weights that do not fit `model` strictly, naming every missing, unexpected
+    or mis-shaped entry."""
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
@@ -229,7 +268,6 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], path: Pat
             f"checkpoint {str(path)!r} does not fit this model: {'; '.join(problems)}; "
             "resume with the same --model, --width and dataset it was trained with"
         )
-    model.load_state_dict(state)
 
 
 def _few(items: list[str], n: int = 4) -> str:
@@ -238,32 +276,59 @@ def _few(items: list[str], n: int = 4) -> str:
 
 
 def find_resumable(directory: Path, device: torch.device) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in `directory` that loads: `latest.pt` or the newest whole
-    step file, whichever is further on. Corrupt files are skipped with a warning. None
-    when there is none (a fresh start)."""
+    """The newest checkpoint in `directory` that loads: `latest.pt`, the newest whole step
+    file or the newest whole DCP step directory, whichever is furthest on. Corrupt ones
+    are skipped with a warning. None when there is none (a fresh start)."""
+    from ddptrain.checkpoint_dcp import list_step_dirs
+
     best: tuple[Path, dict[str, Any]] | None = None
-    for path in [directory / LATEST, *list_checkpoints(directory)]:
-        if not path.exists():
-            continue
-        try:
-            payload = load_checkpoint(path, device)
-        except CheckpointError as exc:
-            log.warning("skipping unusable checkpoint: %s", exc)
-            continue
-        if best is None or payload["step"] > best[1]["step"]:
-            best = (path, payload)
-        if path.name != LATEST:
-            break  # step files come newest first: the first whole one is the newest
+    kinds = ([directory / LATEST], list_checkpoints(directory), list_step_dirs(directory))
+    for candidates in kinds:
+        for path in candidates:
+            if not path.exists():
+                continue
+            try:
+                payload = load_checkpoint(path, device)
+            except CheckpointError as exc:
+                log.warning("skipping unusable checkpoint: %s", exc)
+                continue
+            if best is None or payload["step"] > best[1]["step"]:
+                best = (path, payload)
+            break  # newest first: the first whole one is the newest of its kind
     return best
 
 
 def locate_resume(
+    source: str | None, directory: Path, ctx: DistributedContext, run_dir: Path | None = None
+) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint a run resumes from (`--resume_from PATH | auto`), or None.
+
+    Collective: rank 0 decides and every rank loads what it chose, so ranks that see the
+    job differently (a node that joined an elastic job, a checkpoint written meanwhile)
+    never start from different states; an unusable checkpoint is the same error on all."""
+    if restarted(run_dir):
+        log.warning("the job goes on (torchrun restart or a node joined): resuming from the "
+                    "newest checkpoint")
+    choice: list[Any] = [None, None]
+    found: tuple[Path, dict[str, Any]] | None = None
+    if ctx.is_main:
+        try:
+            found = _locate(resume_source(source, run_dir), directory, ctx.device)
+            choice[0] = str(found[0]) if found else None
+        except CheckpointError as exc:
+            choice[1] = str(exc)
+    if ctx.distributed:
+        dist.broadcast_object_list(choice, src=0)
+    if choice[1] is not None:
+        raise CheckpointError(choice[1])
+    if not ctx.is_main and choice[0] is not None:
+        found = Path(choice[0]), load_checkpoint(Path(choice[0]), ctx.device)
+    return found
+
+
+def _locate(
     source: str | None, directory: Path, device: torch.device
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The checkpoint a run resumes from (`--resume_from PATH | auto`), or None."""
-    if restarted():
-        log.warning("restarted by torchrun: resuming from the newest checkpoint")
-    source = resume_source(source)
     if source is None:
         return None
     if source != "auto":
@@ -284,7 +349,9 @@ def export_safetensors_state(state: dict[str, torch.Tensor], out: Path) -> int:
     """
     from safetensors.torch import _remove_duplicate_names, save_file
 
-    weights = {k: v.detach() for k, v in state.items()}
+    # A tensor that is a view into a bigger buffer (FSDP's gathered state) is copied out:
+    # safetensors stores whole storages only.
+    weights = {k: _own_storage(v.detach()) for k, v in state.items()}
     shared = _remove_duplicate_names(weights)  # {kept name: [aliases of the same tensor]}
     aliases = {alias: name for name, names in shared.items() for alias in names}
     tensors = {k: v.cpu().contiguous() for k, v in weights.items() if k not in aliases}
@@ -294,7 +361,17 @@ def export_safetensors_state(state: dict[str, torch.Tensor], out: Path) -> int:
     return len(tensors)
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
 def export_safetensors(checkpoint: Path, out: Path) -> int:
-    """`ddptrain export`: the model weights of a checkpoint, for inference."""
+    """`ddptrain export`: the whole model of a checkpoint (a `.pt` file or a DCP step
+    directory of any world size), for inference."""
+    if checkpoint.is_dir():
+        from ddptrain.checkpoint_dcp import model_state_from_dir
+
+        load_checkpoint(checkpoint, torch.device("cpu"))  # whole, and written by ddptrain
+        return export_safetensors_state(model_state_from_dir(checkpoint), out)
     payload = load_checkpoint(checkpoint, torch.device("cpu"))
     return export_safetensors_state(payload["model_state_dict"], out)

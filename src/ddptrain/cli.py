@@ -60,7 +60,9 @@ def _cmd_export(argv: list[str]) -> int:
     from ddptrain.checkpoint import export_safetensors
 
     parser = ErrorParser(prog="ddptrain export", description="Export model weights to safetensors.")
-    parser.add_argument("checkpoint", type=Path, help="a ddptrain checkpoint (.pt)")
+    parser.add_argument(
+        "checkpoint", type=Path, help="a ddptrain checkpoint: a .pt file or a DCP step directory"
+    )
     parser.add_argument("output", type=Path, help="the .safetensors file to write")
     args = parser.parse_args(argv)
     count = export_safetensors(args.checkpoint, args.output)

@@ -112,6 +112,20 @@ class TrainingConfig:
         False, "torch.compile the model (inductor; the first steps pay the compilation)"
     )
     channels_last: bool = _f(False, "channels_last memory format for image models and inputs")
+    strategy: Literal["ddp", "zero", "fsdp"] = _f(
+        "ddp",
+        "how the model is spread over 2+ ranks: ddp (replicas) | zero (DDP, optimizer state "
+        "sharded) | fsdp (FSDP2: parameters, gradients and optimizer state sharded)",
+    )
+    fsdp_wrap: str | None = _f(
+        None,
+        "fsdp: comma-separated module class names sharded one by one (default: the model's "
+        "repeated blocks)",
+    )
+    reshard_after_forward: bool = _f(
+        True, "fsdp: free gathered parameters after forward (ZeRO-3); no: keep them (ZeRO-2)"
+    )
+    fsdp_cpu_offload: bool = _f(False, "fsdp on GPU: keep sharded parameters on the CPU")
     # Mixed precision
     use_amp: bool = _f(True, "mixed precision on CUDA; on CPU only with --amp_dtype bfloat16")
     amp_dtype: Literal["auto", "float16", "bfloat16"] = _f(
@@ -127,7 +141,17 @@ class TrainingConfig:
     save_every: int = _f(1, "checkpoint every N epochs (0: only the final one)")
     save_every_steps: int = _f(0, "also checkpoint every N optimizer steps (0: off)")
     keep_last: int = _f(0, "keep only the newest K checkpoints (0: keep all)")
-    resume_from: str | None = _f(None, "checkpoint to resume from: a path, or 'auto' (newest)")
+    resume_from: str | None = _f(
+        None, "checkpoint to resume from: a .pt file, a DCP step directory, or 'auto' (newest)"
+    )
+    checkpoint_format: Literal["auto", "file", "dcp"] = _f(
+        "auto",
+        "file: one .pt written by rank 0 | dcp: a step directory, every rank writes its shard "
+        "(auto: dcp under zero and fsdp, file under ddp)",
+    )
+    async_checkpoint: bool = _f(
+        False, "dcp: write checkpoints in the background while training goes on"
+    )
     # Logging and profiling
     log_interval: int = _f(10, "optimizer steps between train metric lines")
     enable_profiling: bool = _f(False, "record a torch.profiler trace on rank 0")
@@ -151,6 +175,13 @@ class TrainingConfig:
     @property
     def ckpt_dir(self) -> Path:
         return Path(self.checkpoint_dir) if self.checkpoint_dir else self.run_dir / "checkpoints"
+
+    @property
+    def checkpoint_kind(self) -> str:
+        """'file' or 'dcp': what `--checkpoint_format auto` means under this strategy."""
+        if self.checkpoint_format != "auto":
+            return self.checkpoint_format
+        return "file" if self.strategy == "ddp" else "dcp"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -196,8 +227,17 @@ class TrainingConfig:
             _bad("model", self.model, f"choose one of {', '.join(BUILTIN_MODELS)} or module:fn")
         if not (self.task in BUILTIN_TASKS or _is_import_ref(self.task)):
             _bad("task", self.task, f"choose one of {', '.join(BUILTIN_TASKS)} or module:fn")
-        if self.resume_from not in (None, "auto") and not Path(self.resume_from).is_file():
-            _bad("resume_from", self.resume_from, "give an existing checkpoint file, or 'auto'")
+        if self.resume_from not in (None, "auto") and not Path(self.resume_from).exists():
+            _bad(
+                "resume_from", self.resume_from,
+                "give an existing checkpoint file or DCP step directory, or 'auto'",
+            )
+        if self.async_checkpoint and self.checkpoint_kind == "file":
+            _bad(
+                "async_checkpoint", True,
+                "background saves write DCP step directories: add --checkpoint_format dcp "
+                "(or use --strategy zero / fsdp)",
+            )
         return self
 
     def _validate_dataset(self) -> None:

@@ -17,6 +17,7 @@ that cannot be reached within `--timeout_s` ends it with one error line and exit
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import os
@@ -215,6 +216,13 @@ def build_parser() -> ErrorParser:
                         help="device of the test tensors (default: auto, as train)")
     parser.add_argument("--sizes", default="4K,1M,16M",
                         help="all-reduce message sizes in bytes (default: 4K,1M,16M)")
+    parser.add_argument("--strategy", choices=("ddp", "zero", "fsdp"), default="ddp",
+                        help="the strategy the job will train with (default: ddp)")
+    parser.add_argument("--parameters", default=None, metavar="COUNT",
+                        help="model parameters, e.g. 125M: print the bytes per rank the "
+                             "strategy implies")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw",
+                        help="optimizer, for the state it keeps (default: adamw)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations per size")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per size")
     return parser
@@ -252,6 +260,7 @@ def main(argv: list[str]) -> int:
         + _slurm_note(os.environ),
         f"interface  {iface.name or 'unknown'} ({iface.address or 'no address'}), {iface.why}",
     ]
+    header.append(_memory_line(args, cluster.world_size))
     warning = _loopback_warning(cluster, os.environ)
     if warning:
         header.append(f"warning    {warning}")
@@ -260,6 +269,28 @@ def main(argv: list[str]) -> int:
                 "all-reduce skipped: world size 1 (launch with torchrun or srun for more ranks)"])
         return 0
     return _run_group(args, config, cluster, me, header, sizes)
+
+
+def _memory_line(args: argparse.Namespace, world_size: int) -> str:
+    """The strategy, and what it implies per rank for a model of `--parameters`."""
+    from ddptrain.plan import format_bytes, implied_bytes
+
+    strategy = args.strategy if world_size > 1 else "single process"
+    if args.parameters is None:
+        return f"strategy   {strategy} (give --parameters 125M for the bytes per rank)"
+    text = args.parameters.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}.get(text[-1:], 1)
+    digits = text[:-1] if scale > 1 else text
+    try:
+        count = int(float(digits) * scale)
+    except ValueError:
+        raise ConfigError(
+            f"--parameters {args.parameters!r} is invalid: use a count such as 125M or 7B"
+        ) from None
+    slots = 2 if args.optimizer == "adamw" else 1
+    figures = implied_bytes(strategy, world_size, count, slots)
+    return (f"strategy   {strategy} on {world_size} rank(s), {count:,} parameters, "
+            f"{args.optimizer}: {format_bytes(figures)}")
 
 
 def _slurm_note(env: Mapping[str, str]) -> str:

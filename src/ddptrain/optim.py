@@ -30,13 +30,18 @@ def peak_lr(config: TrainingConfig, world_size: int) -> float:
     return config.lr * (world_size * config.grad_accum_steps if config.scale_lr else 1)
 
 
-def build_optimizer(module: nn.Module, config: TrainingConfig, lr: float) -> torch.optim.Optimizer:
-    params = [p for p in module.parameters() if p.requires_grad]
+def optimizer_spec(config: TrainingConfig, lr: float) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer class and its arguments (a sharding strategy builds it its own way)."""
     if config.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay)
-    return torch.optim.SGD(
-        params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay
-    )
+        return torch.optim.AdamW, {"lr": lr, "weight_decay": config.weight_decay}
+    return torch.optim.SGD, {
+        "lr": lr, "momentum": config.momentum, "weight_decay": config.weight_decay
+    }
+
+
+def build_optimizer(module: nn.Module, config: TrainingConfig, lr: float) -> torch.optim.Optimizer:
+    cls, kwargs = optimizer_spec(config, lr)
+    return cls([p for p in module.parameters() if p.requires_grad], **kwargs)
 
 
 def build_scheduler(

@@ -39,6 +39,7 @@ class RunPlan:
     peak_lr: float
     warmup_steps: float | None
     checkpoints: str
+    rank_bytes: dict[str, int] | None = None  # implied by the strategy (fp32 master state)
 
     @property
     def samples_per_epoch(self) -> int | None:
@@ -50,6 +51,7 @@ def make_plan(
     precision: str, task: str, parameters: int | None = None, strategy: str | None = None,
 ) -> RunPlan:
     cfg, w, b, k = config, world_size, config.batch_size, config.grad_accum_steps
+    strategy = strategy or (config.strategy if w > 1 else "single process")
     try:
         n: int | None = len(data.train)  # type: ignore[arg-type]
     except TypeError:
@@ -63,13 +65,50 @@ def make_plan(
     if cfg.keep_last:
         cadence.append(f"keeping the newest {cfg.keep_last}")
     return RunPlan(
-        world_size=w, strategy=strategy or ("ddp" if w > 1 else "single process"),
+        world_size=w, strategy=strategy,
         device=device, backend=backend, precision=precision, task=task,
         parameters=parameters, batch_size=b, accum=k, global_batch=w * b * k,
         train_samples=n, dropped=dropped, batches_per_rank=batches, steps_per_epoch=spe,
         total_steps=spe * cfg.epochs if spe is not None else None, base_lr=cfg.lr,
         peak_lr=peak_lr(cfg, w), warmup_steps=cfg.warmup_epochs * spe if spe else None,
-        checkpoints=", ".join(cadence) + f" into {cfg.ckpt_dir}",
+        checkpoints=", ".join(cadence) + f" {cfg.checkpoint_kind} into {cfg.ckpt_dir}",
+        rank_bytes=None if parameters is None else implied_bytes(
+            strategy, w, parameters, optimizer_slots(cfg)
+        ),
+    )
+
+
+def optimizer_slots(config: TrainingConfig) -> int:
+    """Tensors of a parameter's size the optimizer keeps: AdamW's two moments, SGD's
+    momentum buffer (none without momentum)."""
+    if config.optimizer == "adamw":
+        return 2
+    return 1 if config.momentum else 0
+
+
+def implied_bytes(strategy: str, world_size: int, parameters: int, slots: int) -> dict[str, int]:
+    """fp32 bytes of parameters, gradients and optimizer state one rank holds."""
+    full, shard = 4 * parameters, 4 * math.ceil(parameters / world_size)
+    if strategy == "fsdp":
+        return {"params": shard, "grads": shard, "optimizer": slots * shard}
+    if strategy == "zero":
+        return {"params": full, "grads": full, "optimizer": slots * shard}
+    return {"params": full, "grads": full, "optimizer": slots * full}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_bytes(figures: dict[str, int]) -> str:
+    total = sum(figures.values())
+    return (
+        f"params {human_bytes(figures['params'])}, grads {human_bytes(figures['grads'])}, "
+        f"optimizer {human_bytes(figures['optimizer'])} = {human_bytes(total)} per rank"
     )
 
 
@@ -107,4 +146,6 @@ def format_plan(plan: RunPlan, config: TrainingConfig) -> str:
         f"{_n(plan.warmup_steps)} steps, then cosine to 0",
         f"checkpoints     {plan.checkpoints}",
     ]
+    if plan.rank_bytes is not None:
+        lines.insert(2, f"memory          {format_bytes(plan.rank_bytes)} ({plan.strategy})")
     return "\n".join(lines)

@@ -32,15 +32,38 @@ from ddptrain.errors import ConfigError
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.safetensors")
 
 
-def restarted() -> bool:
-    """Whether torchrun restarted this worker group after a failure."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+JOB_FILE = ".job"  # the torchrun job (rendezvous id) that last trained in a directory
 
 
-def resume_source(resume_from: str | None) -> str | None:
-    """What a run resumes from: `--resume_from` on the first attempt; after a torchrun
-    restart always this run's newest checkpoint (never back to an older PATH)."""
-    return "auto" if restarted() else resume_from
+def restarted(run_dir: Path | None = None) -> bool:
+    """Whether this worker continues a job that already trained: torchrun restarted its
+    group after a failure, or this node joined an elastic job (`--nnodes=MIN:MAX`) whose
+    run directory this same job (same rendezvous id) already wrote."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return True
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not job or run_dir is None:
+        return False
+    try:
+        return (run_dir / JOB_FILE).read_text().strip() == job
+    except OSError:
+        return False
+
+
+def mark_job(run_dir: Path) -> None:
+    """Record the torchrun job training in `run_dir`, for nodes that join it later."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    if job:
+        from ddptrain.files import atomic_write_text
+
+        atomic_write_text(run_dir / JOB_FILE, job + "\n")
+
+
+def resume_source(resume_from: str | None, run_dir: Path | None = None) -> str | None:
+    """What a run resumes from: `--resume_from` on the first attempt; when the job goes
+    on (a torchrun restart, a node joining) always its newest checkpoint (never back to
+    an older PATH)."""
+    return "auto" if restarted(run_dir) else resume_from
 
 
 def job_token() -> str:

@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,14 +34,15 @@ from torch import nn
 
 from ddptrain.batches import ModelCall, mark_batch_dynamic, split, to_device
 from ddptrain.checkpoint import (
+    check_model_state,
     export_safetensors_state,
     gather_rng_states,
     gather_to_main,
-    load_model_state,
     locate_resume,
     save_checkpoint,
     set_rng_state,
 )
+from ddptrain.checkpoint_dcp import ShardedCheckpointer, load_sharded
 from ddptrain.config import TrainingConfig
 from ddptrain.data import (
     DataBundle,
@@ -55,7 +56,7 @@ from ddptrain.flops import gpu_fields
 from ddptrain.hooks import Console, Curves, Hook, Hooks
 from ddptrain.metrics import EpochMeter, MetricSums, MetricsWriter
 from ddptrain.models import create_model
-from ddptrain.optim import build_optimizer, build_scheduler, peak_lr
+from ddptrain.optim import build_scheduler, peak_lr
 from ddptrain.plan import RunPlan, format_plan, make_plan
 from ddptrain.precision import resolve_precision
 from ddptrain.profiling import StepProfiler
@@ -90,13 +91,18 @@ class Trainer:
         self.module = module.to(device)
         if config.channels_last:
             self.module = self.module.to(memory_format=torch.channels_last)
-        self.strategy = create_strategy(ctx)
+        self.precision = resolve_precision(config, device)
+        self.strategy = create_strategy(ctx, config, self.precision)
         self.call = ModelCall(self.module)
         self.scorer = Scorer(self.task, device)
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
         self._setup_data()
-        self.precision = resolve_precision(config, device)
-        self.optimizer = build_optimizer(self.module, config, peak_lr(config, ctx.world_size))
+        # Wrapped (or sharded in place) before the optimizer sees the parameters: under
+        # fsdp they become shards, and a checkpoint loads into the shards.
+        self.model = self.strategy.setup_module(self.module)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = self.strategy.build_optimizer(
+            self.module, peak_lr(config, ctx.world_size)
+        )
         warmup_steps = config.warmup_epochs * self.steps_per_epoch
         self.scheduler = build_scheduler(self.optimizer, warmup_steps, self.total_steps)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision.scaler)
@@ -118,8 +124,12 @@ class Trainer:
             Curves(sync=config.tracker != "none"), *tracker_hooks(config, ctx), *hooks,
         ])
         torch.manual_seed(config.seed + ctx.rank)  # per-rank randomness (dropout, user aug.)
+        self.sharded = (
+            ShardedCheckpointer(config.ckpt_dir, ctx, config.keep_last, config.async_checkpoint)
+            if config.checkpoint_kind == "dcp" else None
+        )
         self.resumed_from = self._resume()
-        self.model = self.strategy.setup_module(self.module)
+        self._filler: Any = None  # model inputs for the forwards fsdp evaluation adds
         if config.compile:
             # The wrapper is compiled, so DDP's buckets still overlap with backward; the
             # plain module (checkpoints, evaluation) keeps its own parameter names.
@@ -145,13 +155,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self, meter: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Everything a resume needs; RNG states of all ranks are gathered on rank 0.
-        `meter` holds the epoch's global metric totals when saving mid-epoch."""
+        """Everything a resume needs, whole (on rank 0). Collective."""
+        model, optim = self.strategy.full_state(self.module, self.optimizer)
+        return {**self.meta_state(meter), "model_state_dict": model, "optimizer_state_dict": optim}
+
+    def meta_state(self, meter: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Everything a resume needs but the weights and optimizer state; RNG states of
+        all ranks are gathered on rank 0. `meter` holds the epoch's global metric totals
+        when saving mid-epoch. Collective."""
         return {
             "epoch_meter": meter or {},
             **self.progress.to_dict(),
-            "model_state_dict": self.strategy.module_state_dict(self.module),
-            "optimizer_state_dict": self.optimizer.state_dict(),
             "scheduler_state_dict": self.scheduler.state_dict(),
             "scaler_state_dict": self.scaler.state_dict(),
             "task": self.task.name,
@@ -164,14 +178,26 @@ class Trainer:
         }
 
     def _resume(self) -> str | None:
-        found = locate_resume(self.config.resume_from, self.config.ckpt_dir, self.ctx.device)
+        cfg = self.config
+        found = locate_resume(cfg.resume_from, cfg.ckpt_dir, self.ctx, cfg.run_dir)
         if found is None:
             return None
         path, payload = found
         current = self.config.to_dict()
         refuse_incompatible(payload, current, self.task.name, str(path))
-        load_model_state(self.module, payload["model_state_dict"], path)
-        self.optimizer.load_state_dict(payload["optimizer_state_dict"])
+        if path.is_dir():
+            model, optim = self.strategy.sharded_state(self.module, self.optimizer)
+            state = {"model": model, "optim": optim}
+            load_sharded(path, state)
+            self.strategy.load_state(
+                self.module, self.optimizer, state["model"], state["optim"], full=False
+            )
+        else:
+            check_model_state(self.module, payload["model_state_dict"], path)
+            self.strategy.load_state(
+                self.module, self.optimizer, payload["model_state_dict"],
+                payload["optimizer_state_dict"], full=True,
+            )
         self.scaler.load_state_dict(payload["scaler_state_dict"])
         self.progress = Progress.from_payload(payload)
         self.history.update(payload.get("history", {}))
@@ -267,11 +293,12 @@ class Trainer:
                 self.hooks.on_fit_start(self)
                 for epoch in range(self.progress.epoch + 1, cfg.epochs + 1):
                     val = self._epoch(epoch)
+            if self.sharded is not None:
+                self.sharded.wait()
             summary = self._summary(val)
+            weights = self.strategy.model_state(self.module)  # collective under fsdp
             if ctx.is_main:
-                export_safetensors_state(
-                    self.strategy.module_state_dict(self.module), cfg.run_dir / "model.safetensors"
-                )
+                export_safetensors_state(weights, cfg.run_dir / "model.safetensors")
                 text = json.dumps(summary, indent=2) + "\n"
                 atomic_write_text(cfg.run_dir / "summary.json", text)
             self.hooks.on_fit_end(self, summary)
@@ -314,7 +341,16 @@ class Trainer:
             "samples": h["samples"],
             "samples_per_sec": h["samples"] / h["train_time_s"] if h["train_time_s"] else 0.0,
             "bad_steps": self.progress.bad_steps, "first_step_s": self.first_step_s,
+            "strategy": self.strategy.name,
+            "rank0_bytes": self.strategy.rank_bytes(self.module, self.optimizer),
+            **self._checkpoint_figures(),
         }
+
+    def _checkpoint_figures(self) -> dict[str, Any]:
+        if self.sharded is None or not self.sharded.blocking_s:
+            return {}
+        times = sorted(self.sharded.blocking_s)
+        return {"checkpoint_blocking_s_median": times[len(times) // 2]}
 
     def _may_save(self) -> bool:
         """No checkpoint at a skipped (non-finite) step: the newest stays the last good."""
@@ -332,6 +368,7 @@ class Trainer:
         for batch, micro, waited in self.train_batches.epoch(epoch, self.progress.samples_in_epoch):
             meter.wait += waited
             inputs = self._forward_backward(batch, micro, meter.sums)
+            self._filler = inputs
             if not micro.ends_window:
                 continue
             good = self._optimizer_step(meter.sums)
@@ -376,6 +413,8 @@ class Trainer:
         saved = self._may_save()
         if saved:
             self.save({"totals": totals, "logged": meter.logged})
+        if stop and self.sharded is not None:
+            self.sharded.wait()  # the stop's checkpoint is on disk before the run ends
         if stop:
             raise self.stop.error(self.progress.step, saved)
 
@@ -460,7 +499,8 @@ class Trainer:
         Runs the plain module: DDP's forward would broadcast buffers, a collective that
         ranks with unequal shard lengths would call a different number of times. Rank 0's
         BatchNorm statistics are broadcast first, so every rank evaluates the same model
-        (the one the checkpoint holds).
+        (the one the checkpoint holds). Under fsdp every forward all-gathers parameters, so
+        a rank with fewer batches runs extra forwards whose outputs it does not count.
         """
         ctx = self.ctx
         if ctx.distributed:
@@ -468,22 +508,52 @@ class Trainer:
                 dist.broadcast(buf, src=0)
         self.module.eval()
         sums = MetricSums(self.task, ctx.device)
-        for batch in self.val_loader:
+        for batch in self._val_batches():
+            if batch is None:  # this rank is done, a peer is not: forward in step with it
+                with self.precision.autocast():
+                    self.call(self.module, self._filler)
+                continue
             inputs, targets = split(to_device(batch, ctx.device, self._memory_format))
             with self.precision.autocast():
                 out = self.call(self.module, inputs)
             sums.update(self.scorer.score(out, targets, inputs))
+            self._filler = inputs
         sums.commit()
         self.module.train()
         return sums.summarize(sums.global_totals(ctx))
 
+    def _val_batches(self) -> Iterator[Any]:
+        """This rank's validation batches; under a strategy whose forward is collective,
+        then None until every rank has run out (one flag all-reduced per batch)."""
+        if not self.strategy.even_forwards:
+            yield from self.val_loader
+            return
+        batches = iter(self.val_loader)
+        while True:
+            batch = next(batches, None)
+            more = torch.tensor([float(batch is not None)])
+            dist.all_reduce(more, op=dist.ReduceOp.MAX)
+            if not more.item():
+                return
+            yield batch
+
     def save(self, meter: dict[str, Any] | None = None, best: bool = False) -> None:
         cfg = self.config
-        path = save_checkpoint(
-            cfg.ckpt_dir, self.progress.step, self.state_dict(meter), self.ctx, cfg.keep_last,
-            best=best,
+        if self.sharded is not None:
+            model, optim = self.strategy.sharded_state(self.module, self.optimizer)
+            path = self.sharded.save(
+                self.progress.step, self.meta_state(meter), {"model": model, "optim": optim}, best
+            )
+        else:
+            path = save_checkpoint(
+                cfg.ckpt_dir, self.progress.step, self.state_dict(meter), self.ctx,
+                cfg.keep_last, best=best,
+            )
+        background = self.sharded is not None and self.sharded.background
+        log.info(
+            "checkpoint %s%s%s", path, " (best so far)" if best else "",
+            " (being written in the background)" if background else "",
         )
-        log.info("checkpoint %s%s", path, " (best so far)" if best else "")
 
 
 def _better(score: float, best: float, mode: str) -> bool:
