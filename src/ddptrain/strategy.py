@@ -324,9 +324,10 @@ def fsdp_blocks(module: nn.Module, wrap: str | None) -> list[nn.Module]:
     """The modules FSDP shards one by one (each is all-gathered as a unit).
 
     `--fsdp_wrap A,B`: every submodule whose class is named A or B. Otherwise the repeated
-    blocks: starting at the root, a module whose children of one class hold at least half
-    of its parameters gives those children (a GPT's blocks, an MLP's layers, a ResNet's
-    stages); else the search goes on into its biggest child."""
+    blocks: starting at the root, a module whose children of one class (not a container
+    such as `nn.Sequential`) hold at least half of its parameters gives those children (a
+    GPT's blocks, an MLP's layers, a ResNet's residual blocks); else the search goes on
+    into its biggest child."""
     if wrap:
         names = {n.strip() for n in wrap.split(",") if n.strip()}
         found = [m for m in module.modules() if type(m).__name__ in names and m is not module]
@@ -345,14 +346,19 @@ def fsdp_blocks(module: nn.Module, wrap: str | None) -> list[nn.Module]:
             return []
         by_class: dict[type, list[nn.Module]] = {}
         for child in children:
-            by_class.setdefault(type(child), []).append(child)
-        group = max(by_class.values(), key=lambda g: sum(_count(c) for c in g))
-        if len(group) >= 2 and 2 * sum(_count(c) for c in group) >= total:
-            return group
+            if not isinstance(child, _CONTAINERS):  # a Sequential is a list, not a block
+                by_class.setdefault(type(child), []).append(child)
+        if by_class:
+            group = max(by_class.values(), key=lambda g: sum(_count(c) for c in g))
+            if len(group) >= 2 and 2 * sum(_count(c) for c in group) >= total:
+                return group
         biggest = max(children, key=_count)
         if 2 * _count(biggest) < total:
             return []
         node = biggest
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def named_optimizer_state(optim: State, module: nn.Module) -> State:
