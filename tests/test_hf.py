@@ -30,6 +30,7 @@ def test_sequence_classifier_with_model_output_loss_on_two_ranks(tmp_path: Path)
 
 def test_gpt2_with_tied_weights_trains_and_exports_loadable_weights(tmp_path: Path) -> None:
     import hfplug
+    from safetensors import safe_open
     from safetensors.torch import load_model
     from transformers import GPT2LMHeadModel
 
@@ -37,6 +38,7 @@ def test_gpt2_with_tied_weights_trains_and_exports_loadable_weights(tmp_path: Pa
     proc = run_torchrun(2, [
         "train", "--dataset", "hfplug:counting", "--model", "hfplug:gpt2", "--epochs", "5",
         "--batch_size", "8", "--optimizer", "adamw", "--lr", "0.01", "--output_dir", str(run),
+        "--strategy", "fsdp",  # sharded per GPT2Block; the tie survives the export
     ], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
@@ -46,6 +48,10 @@ def test_gpt2_with_tied_weights_trains_and_exports_loadable_weights(tmp_path: Pa
     assert isinstance(fresh, GPT2LMHeadModel)
     missing, unexpected = load_model(fresh, str(run / "model.safetensors"))
     assert not missing and not unexpected
+    with safe_open(str(run / "model.safetensors"), "pt") as f:
+        ties = {k: v for k, v in f.metadata().items() if k.startswith("tied:")}
+    assert ties in ({"tied:lm_head.weight": "transformer.wte.weight"},
+                    {"tied:transformer.wte.weight": "lm_head.weight"})  # stored once
     assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
     # The loaded model predicts what the trained one did: the same validation loss.
     _, val = hfplug.counting(None)

@@ -351,7 +351,8 @@ def export_safetensors_state(state: dict[str, torch.Tensor], out: Path) -> int:
 
     # A tensor that is a view into a bigger buffer (FSDP's gathered state) is copied out:
     # safetensors stores whole storages only.
-    weights = {k: _own_storage(v.detach()) for k, v in state.items()}
+    owned: dict[int, torch.Tensor] = {}  # one copy per tensor: tied names stay tied
+    weights = {k: owned.setdefault(id(v), _own_storage(v.detach())) for k, v in state.items()}
     shared = _remove_duplicate_names(weights)  # {kept name: [aliases of the same tensor]}
     aliases = {alias: name for name, names in shared.items() for alias in names}
     tensors = {k: v.cpu().contiguous() for k, v in weights.items() if k not in aliases}

@@ -279,7 +279,15 @@ class FSDP(Strategy):
         )
 
     def model_state(self, module: nn.Module) -> State:
-        return get_model_state_dict(module, options=_FULL)
+        state = get_model_state_dict(module, options=_FULL)
+        # Gathering copies each name's tensor apart; tied parameters (a language model's
+        # embedding and output head) are one tensor again, so export stores them once.
+        first: dict[int, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            kept = first.setdefault(id(p), name)
+            if kept != name and kept in state and name in state:
+                state[name] = state[kept]
+        return state
 
     def sharded_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer
