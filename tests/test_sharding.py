@@ -274,7 +274,7 @@ def test_bad_sharding_settings_are_one_line_each(tmp_path: Path) -> None:
     from ddptrain.errors import ConfigError
     from ddptrain.strategy import fsdp_blocks
 
-    with pytest.raises(ConfigError, match="--fsdp_wrap 'Nope' matches no module.*Linear"):
+    with pytest.raises(ConfigError, match=r"--fsdp_wrap 'Nope' matches no module.*Linear"):
         fsdp_blocks(MLP(6, 3, 64), "Nope")
     proc = run_cli(["train", "--async_checkpoint", "--output_dir", str(tmp_path / "r")],
                    cwd=tmp_path)

@@ -77,6 +77,7 @@ def fit(
     cluster = read_cluster_env()
     setup_logging(cluster.rank)
     config = resolve_layout(config, cluster.world_size)
+    config = _goes_on(config, cluster.rank)
     device = resolve_device(config, cluster.local_rank)
     resolve_backend(config, device)
     resolve_precision(config, device)
@@ -109,11 +110,10 @@ def fit(
         return finished
     lock = RunLock(config.run_dir)
     if cluster.rank == 0:
-        if resume_source(config.resume_from, config.run_dir) is None:
+        if config.resume_from is None:
             refuse_occupied(config)
         make_run_dirs(config)
         lock.acquire()
-        mark_job(config.run_dir)
     try:
         if cluster.rank == 0:
             from ddptrain.config import dump_yaml
@@ -122,6 +122,8 @@ def fit(
             dump_yaml(config, config.run_dir / "config.yaml")
             log.info("run %s in %s", config.run_id, config.run_dir)
         ctx = setup_distributed(config, cluster)
+        if ctx.is_main:  # every rank has read the directory's job by now
+            mark_job(config.run_dir)
         clean = False
         try:
             summary = _fit(config, ctx, data, model, task, hooks)
@@ -136,11 +138,25 @@ def fit(
     return summary
 
 
+def _goes_on(config: TrainingConfig, rank: int) -> TrainingConfig:
+    """A job that goes on (torchrun restarted its workers, or this node joined it) resumes
+    from its newest checkpoint, whatever `--resume_from` said for the first attempt."""
+    import dataclasses
+
+    source = resume_source(config.resume_from, config.run_dir)
+    if source == config.resume_from:
+        return config
+    if rank == 0:
+        log.warning("the job goes on (torchrun restart or a node joined): resuming from the "
+                    "newest checkpoint")
+    return dataclasses.replace(config, resume_from=source)
+
+
 def _with_run_id(config: TrainingConfig) -> TrainingConfig:
     """A fresh run gets a new id; a resumed one keeps the id its directory records."""
     import dataclasses
 
-    if resume_source(config.resume_from, config.run_dir) is None:  # also a repeated --config
+    if config.resume_from is None:  # also when --config repeats a run
         return dataclasses.replace(config, run_id=new_run_id())
     run_id = saved_run_id(config.run_dir) or config.run_id or new_run_id()
     return dataclasses.replace(config, run_id=run_id)
@@ -154,7 +170,7 @@ def _finished_summary(config: TrainingConfig) -> dict[str, Any] | None:
 
     from ddptrain.checkpoint import find_resumable, load_checkpoint
 
-    source = resume_source(config.resume_from, config.run_dir)
+    source = config.resume_from
     if source is None:
         return None
     if source == "auto":

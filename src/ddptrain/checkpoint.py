@@ -30,7 +30,6 @@ from ddptrain import __version__
 from ddptrain.distributed import DistributedContext
 from ddptrain.errors import EXIT_IO, ConfigError, TrainingStopped
 from ddptrain.files import staged
-from ddptrain.rundir import restarted, resume_source
 from ddptrain.state import FORMAT, FORMAT_VERSION
 
 log = logging.getLogger("ddptrain")
@@ -299,21 +298,18 @@ def find_resumable(directory: Path, device: torch.device) -> tuple[Path, dict[st
 
 
 def locate_resume(
-    source: str | None, directory: Path, ctx: DistributedContext, run_dir: Path | None = None
+    source: str | None, directory: Path, ctx: DistributedContext
 ) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint a run resumes from (`--resume_from PATH | auto`), or None.
 
     Collective: rank 0 decides and every rank loads what it chose, so ranks that see the
     job differently (a node that joined an elastic job, a checkpoint written meanwhile)
     never start from different states; an unusable checkpoint is the same error on all."""
-    if restarted(run_dir):
-        log.warning("the job goes on (torchrun restart or a node joined): resuming from the "
-                    "newest checkpoint")
     choice: list[Any] = [None, None]
     found: tuple[Path, dict[str, Any]] | None = None
     if ctx.is_main:
         try:
-            found = _locate(resume_source(source, run_dir), directory, ctx.device)
+            found = _locate(source, directory, ctx.device)
             choice[0] = str(found[0]) if found else None
         except CheckpointError as exc:
             choice[1] = str(exc)

@@ -117,11 +117,12 @@ class Strategy:
     ) -> None:
         """Load a state from `full_state` (every rank holds all of it) or `sharded_state`."""
         optim = named_optimizer_state(optim, module)
-        if full:
-            module.load_state_dict(model)
-            set_optimizer_state_dict(module, optimizer, optim)
-        else:
+        if not full:
             set_state_dict(module, optimizer, model_state_dict=model, optim_state_dict=optim)
+            return
+        options = StateDictOptions(full_state_dict=True)  # sharded here if the module is
+        set_model_state_dict(module, model, options=options)
+        set_optimizer_state_dict(module, optimizer, optim, options=options)
 
     def rank_bytes(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of parameters, gradients (as they are once materialised) and optimizer
@@ -273,10 +274,7 @@ class FSDP(Strategy):
     def full_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[State, State]:
-        return (
-            get_model_state_dict(module, options=_FULL),
-            get_optimizer_state_dict(module, optimizer, options=_FULL),
-        )
+        return self.model_state(module), get_optimizer_state_dict(module, optimizer, options=_FULL)
 
     def model_state(self, module: nn.Module) -> State:
         state = get_model_state_dict(module, options=_FULL)
@@ -297,19 +295,7 @@ class FSDP(Strategy):
         # tensor, so make it rank 0's, the copy evaluation and export use.
         for buf in module.buffers():
             dist.broadcast(buf, src=0)
-        return get_state_dict(module, optimizer)
-
-    def load_state(
-        self, module: nn.Module, optimizer: torch.optim.Optimizer, model: State, optim: State,
-        full: bool,
-    ) -> None:
-        optim = named_optimizer_state(optim, module)
-        if not full:
-            set_state_dict(module, optimizer, model_state_dict=model, optim_state_dict=optim)
-            return
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(module, model, options=options)
-        set_optimizer_state_dict(module, optimizer, optim, options=options)
+        return super().sharded_state(module, optimizer)
 
 
 STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "zero": Zero, "fsdp": FSDP}

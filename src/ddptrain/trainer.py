@@ -179,7 +179,7 @@ class Trainer:
 
     def _resume(self) -> str | None:
         cfg = self.config
-        found = locate_resume(cfg.resume_from, cfg.ckpt_dir, self.ctx, cfg.run_dir)
+        found = locate_resume(cfg.resume_from, cfg.ckpt_dir, self.ctx)
         if found is None:
             return None
         path, payload = found
