@@ -66,3 +66,4 @@ $(BENCH_STAMP): pyproject.toml
 
 bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/run.py --repeats 3
+	$(BENCH_VENV)/bin/python bench/sharding.py

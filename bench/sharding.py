@@ -92,7 +92,7 @@ class Watch:
 
 def kill(proc: subprocess.Popen[str], watch: Watch) -> None:
     """Kill the run: torchrun's session and its workers, which run in sessions of their
-    own and would otherwise go on without the agent."""
+    own and would otherwise go on without torchrun."""
     for pid in watch.workers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -102,9 +102,9 @@ def kill(proc: subprocess.Popen[str], watch: Watch) -> None:
 
 def _children(pid: int) -> list[int]:
     kids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    for thread in Path(f"/proc/{pid}/task").glob("*"):
         try:
-            kids += [int(k) for k in (task / "children").read_text().split()]
+            kids += [int(k) for k in (thread / "children").read_text().split()]
         except (OSError, ValueError):
             continue
     return kids
@@ -372,29 +372,28 @@ def _errors(results: dict[str, Any]) -> list[str]:
     return out
 
 
-def save_costs(row: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
-    """What a run's step checkpoints cost its training loop.
+def save_costs(row: dict[str, Any]) -> dict[str, Any]:
+    """What a run's step checkpoints cost its training loop, from its own train rows (one
+    after every step), so that the run-to-run spread of whole runs does not enter.
 
-    `held_s`: for each step save, the row of the step after it (which holds the save,
-    written after the saving step's row) less the median of the rows that follow no save;
-    `train_s`: (train time - the same run's without step saves) per save, which also holds
-    what a background write takes from the steps it overlaps."""
+    `held_s`: for each step save, the row of the step after it (which holds the save: the
+    saving step's row is written before it) less the median of the rows that follow no
+    save; median over the saves. `excess_s`: every row after the first less that median,
+    summed and divided by the number of saves: it also holds what a background write
+    takes from the later steps it overlaps."""
     rows = row["train_rows"]
     after = {s + 1 for s in range(SAVE_EVERY_STEPS, rows[-1]["step"], SAVE_EVERY_STEPS)}
     normal = [r["step_time_s"] for r in rows[1:] if r["step"] not in after]
     typical = statistics.median(normal)
     held = [r["step_time_s"] - typical for r in rows if r["step"] in after]
-    saves = len(after)
-    figures: dict[str, Any] = {
-        "saves": saves, "held_s": _median(held), "typical_step_s": typical,
+    excess = sum(r["step_time_s"] - typical for r in rows[1:])
+    return {
+        "saves": len(after), "held_s": _median(held), "excess_s": excess / len(after),
+        "typical_step_s": typical,
         "reported_s": row["summary"].get("checkpoint_blocking_s_median"),
         "size_mb": _median(list(row["checkpoint_mb"].values())),
         "peak_rss_mb": max(row["peak_rss_mb_by_rank"], default=None),
     }
-    if base is not None:
-        extra = row["summary"]["train_time_s"] - base["summary"]["train_time_s"]
-        figures["train_s"] = extra / saves
-    return figures
 
 
 WRAP = 88  # the report's prose width, as bench/report.py writes it
@@ -477,30 +476,19 @@ def section(results: dict[str, Any]) -> str:
         "",
         "### What 2 CPU cores cannot show",
         "",
-        *bullet(
-            "**Overlap.** On CPU gloo, communication and computation share the same 2 cores: "
-            "fsdp's all-gather of every block's parameters (before its forward and again "
-            "before its backward) and its reduce-scatter of the gradients find no idle core "
-            "to run on, so they add to the step instead of hiding behind it; zero's "
-            "broadcast of the updated parameters after each step does the same. The ratios "
-            "to ddp above are the price of the extra communication on a saturated machine."),
-        *bullet(
-            "**What sharding is for.** On GPUs with NCCL, fsdp prefetches the next block's "
-            "all-gather while the current one computes and overlaps the reduce-scatter with "
-            "the backward pass; what it buys is memory: each of N ranks holds 1/N of the "
-            "parameters, gradients and optimizer state, so a model that does not fit one "
-            "GPU trains at all. With 2 ranks the sharded part halves, and the peak RSS here "
-            "is dominated by what every process loads anyway."),
-        *bullet(
-            "**Async checkpoints.** `--async_checkpoint` copies the state aside and writes it "
-            "from a background thread while the next steps run. On a GPU node the training "
-            "loop runs on the device and the write uses host cores that are otherwise idle; "
-            "here the writer takes its core from a rank, so blocking time saved partly "
-            "comes back as slower steps."),
-        *bullet(
-            "**Storage.** Save and resume times are those of one local disk and the page "
-            "cache; on a parallel file system every rank writes its DCP shard at once, "
-            "which one file written by rank 0 cannot."),
+        *para(
+            "On CPU gloo, communication and computation share the same 2 cores: fsdp's "
+            "all-gathers (before each block's forward and backward) and reduce-scatters, and "
+            "zero's broadcast of the updated parameters, find no idle core or copy engine to "
+            "overlap with, so the ratios above are their full price on a saturated machine. "
+            "On a GPU cluster with NCCL they overlap with compute (fsdp prefetches the next "
+            "block's parameters), and what fsdp buys is memory: each of N ranks holds 1/N of "
+            "parameters, gradients and optimizer state, so models that do not fit one GPU "
+            "train; with 2 ranks here the sharded part halves, beside the ~0.4 GB every "
+            "process holds anyway. Likewise `--async_checkpoint` hides the write behind the "
+            "steps only where a core (or a GPU's host side) is idle; and one local disk "
+            "cannot show a parallel file system taking every rank's DCP shard at once."
+        ),
     ]
     errors = _errors(results)
     if errors:
@@ -570,16 +558,17 @@ def _checkpoints(results: dict[str, Any]) -> list[str]:
               "step saves, also saves at the end of its epoch."),
         "",
         "| checkpoint | saves | one checkpoint on disk (MB) | ms/step without a save | "
-        "step held up per save (s) | train time per save (s) | ddptrain's "
+        "step held up per save (s) | all steps' excess per save (s) | ddptrain's "
         "`checkpoint_blocking_s_median` (s) | peak RSS, max of ranks (MB) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name, strategy, _extra in CHECKPOINT_RUNS:
-        figs = []
-        for row in _ok(results["checkpoints"], name=name):
-            base = _ok(results["memory"], strategy=strategy, repeat=row["repeat"])
-            figs.append(save_costs(row, base[0] if base else None))
-        if not figs:
+    by_name: dict[str, dict[str, float | None]] = {}
+    for name, _strategy, _extra in CHECKPOINT_RUNS:
+        figs = [save_costs(row) for row in _ok(results["checkpoints"], name=name)]
+        if figs:
+            by_name[name] = {k: _median([f[k] for f in figs if f.get(k) is not None])
+                             for k in ("held_s", "reported_s", "excess_s")}
+        else:
             lines.append(f"| {name} | failed | | | | | | |")
             continue
 
@@ -590,23 +579,36 @@ def _checkpoints(results: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {name} | {figs[0]['saves']} | {_f(med('size_mb'), 0)} | "
             f"{_f(None if typical is None else typical * 1e3)} | {_f(med('held_s'), 3)} | "
-            f"{_f(med('train_s'), 3)} | {_f(med('reported_s'), 3)} | "
+            f"{_f(med('excess_s'), 3)} | {_f(med('reported_s'), 3)} | "
             f"{_f(med('peak_rss_mb'), 0)} |"
         )
     lines += ["", *para(
-        "Step held up per save: with a train row after every step, the row of the step after "
-        "a save holds that save (the saving step's row is written before it); the figure is "
-        "that row less the median row that follows no save, median over the saves. Train "
-        "time per save: the run's `train_time_s` less that of the same run without step "
-        "saves (the memory run above), over the number of saves; it also holds what a "
-        "background write takes from the steps it shares the cores with, and the run-to-run "
-        "noise of the whole epoch. ddptrain's own figure times the `dcp.save` / "
+        "Both cost figures come from the run's own train rows, one after every step. Step "
+        "held up per save: the row of the step after a save holds that save (the saving "
+        "step's row is written before it); the figure is that row less the median row that "
+        "follows no save (ms/step without a save), median over the saves. All steps' excess "
+        "per save: every row after the first less that median, summed, over the number of "
+        "saves; it also holds what a background write takes from the later steps it shares "
+        "the cores with. ddptrain's own figure times the `dcp.save` / "
         "`dcp.async_save` call alone: not the barrier before it, the metadata and the rename "
         "after it, or the wait for the previous background save. A file checkpoint is "
         "written by rank 0 and then copied to latest.pt (and best.pt), so each save writes "
         "it at least twice; a DCP checkpoint is one step directory with each rank's shard, "
         "and latest is a one-line pointer."
     )]
+    sync, bg = by_name.get("fsdp dcp sync"), by_name.get("fsdp dcp async")
+    if sync and bg and bg["reported_s"] is not None and None not in (bg["held_s"], sync["held_s"]):
+        lines += ["", *para(
+            f"With `--async_checkpoint` the save call returns after {bg['reported_s']:.3f} s "
+            f"(synchronous: {sync['reported_s']:.3f} s), yet the step after the save is held "
+            f"up {bg['held_s']:.3f} s (synchronous: {sync['held_s']:.3f} s). "
+            + ("The background write runs in a thread of each training process, which "
+               "shares the interpreter and the 2 cores with the training step; with both "
+               "cores busy training there is no idle core for it to hide on, so the work "
+               "moves to the next step rather than disappearing."
+               if bg["held_s"] > sync["held_s"] / 2 else
+               "The background write hides most of the save behind the steps that follow.")
+        )]
     return lines
 
 
@@ -619,6 +621,7 @@ def _resume(results: dict[str, Any]) -> list[str]:
         "step (s) | resume cost (s) | starts of each kind |",
         "| --- | --- | --- | --- | --- |",
     ]
+    verdicts: list[str] = []
     for strategy in RESUME_STRATEGIES:
         got = {k: [r["first_row_s"] for r in _ok(results["resume"], strategy=strategy, kind=k)]
                for k in ("fresh", "resume")}
@@ -627,6 +630,12 @@ def _resume(results: dict[str, Any]) -> list[str]:
         spread = "; ".join(f"{k} {min(v):.2f}..{max(v):.2f}" for k, v in got.items() if v)
         lines.append(f"| {strategy} | {_f(t['fresh'])} | {_f(t['resume'])} | {_f(cost)} | "
                      f"{len(got['fresh'])} + {len(got['resume'])} ({spread}) |")
+        if got["fresh"] and got["resume"]:
+            apart = min(got["resume"]) > max(got["fresh"]) or min(got["fresh"]) > max(
+                got["resume"])
+            verdicts.append(f"{strategy}: the two kinds' ranges " + (
+                "do not overlap" if apart else
+                "overlap, so the difference is within the spread between launches"))
     lines += ["", *para(
         f"Both starts are the memory runs' command with `--epochs {results['big_epochs'] + 1}`: "
         "the fresh one in an empty directory, the resumed one with `--resume_from auto` in "
@@ -637,8 +646,8 @@ def _resume(results: dict[str, Any]) -> list[str]:
         "resumed starts alternate. The difference is what resuming adds: finding the "
         "checkpoint and checking it, reading it, loading weights, optimizer state, RNG states "
         "and the schedule. The rest of the start (interpreter, imports, process group, data, "
-        "model) is the same in both and varies from launch to launch by more than the "
-        "difference can resolve when the machine is busy: read the spread of each kind."
+        "model) is the same in both, but varies from launch to launch: "
+        + "; ".join(verdicts) + "."
     )]
     return lines
 

@@ -180,7 +180,7 @@ def agree_on_write(
     if failure is not None:
         code = (getattr(failure, "errno", None) or -1) if isinstance(failure, OSError) else -1
     if ctx.distributed:
-        status = torch.tensor([float(code)])
+        status = torch.tensor([float(code)], device=ctx.device)  # NCCL reduces on the GPU
         dist.all_reduce(status, op=dist.ReduceOp.MAX)  # also the barrier: none reads ahead
         code = int(status.item())
     if not code:
@@ -286,6 +286,9 @@ def find_resumable(directory: Path, device: torch.device) -> tuple[Path, dict[st
         for path in candidates:
             if not path.exists():
                 continue
+            named = re.search(r"step_(\d+)", path.name)
+            if best is not None and named and int(named.group(1)) <= best[1]["step"]:
+                break  # not further on than one already read: no need to load it
             try:
                 payload = load_checkpoint(path, device)
             except CheckpointError as exc:

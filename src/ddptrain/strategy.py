@@ -267,7 +267,7 @@ class FSDP(Strategy):
         return norm
 
     def grads_finite(self, params: list[nn.Parameter]) -> bool:
-        finite = torch.tensor([float(super().grads_finite(params))])
+        finite = torch.tensor([float(super().grads_finite(params))], device=self.ctx.device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # one rank's inf is everyone's
         return bool(finite.item())
 

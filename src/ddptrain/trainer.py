@@ -531,7 +531,7 @@ class Trainer:
         batches = iter(self.val_loader)
         while True:
             batch = next(batches, None)
-            more = torch.tensor([float(batch is not None)])
+            more = torch.tensor([float(batch is not None)], device=self.ctx.device)
             dist.all_reduce(more, op=dist.ReduceOp.MAX)
             if not more.item():
                 return
