@@ -58,6 +58,7 @@ class Strategy:
 
     name = "single process"
     even_forwards = False  # must every rank run the same number of forward passes?
+    _full_load = StateDictOptions()  # a whole state loads as it is into a whole module
 
     def __init__(self, ctx: DistributedContext, config: TrainingConfig, precision: Precision):
         self.ctx, self.config, self.precision = ctx, config, precision
@@ -120,9 +121,8 @@ class Strategy:
         if not full:
             set_state_dict(module, optimizer, model_state_dict=model, optim_state_dict=optim)
             return
-        options = StateDictOptions(full_state_dict=True)  # sharded here if the module is
-        set_model_state_dict(module, model, options=options)
-        set_optimizer_state_dict(module, optimizer, optim, options=options)
+        set_model_state_dict(module, model, options=self._full_load)
+        set_optimizer_state_dict(module, optimizer, optim, options=self._full_load)
 
     def rank_bytes(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of parameters, gradients (as they are once materialised) and optimizer
@@ -231,6 +231,7 @@ class FSDP(Strategy):
 
     name = "fsdp"
     even_forwards = True  # every forward all-gathers: ranks must call it alike
+    _full_load = StateDictOptions(full_state_dict=True)  # each rank keeps its shard of it
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
