@@ -149,15 +149,17 @@ def test_an_fsdp_export_loads_into_the_users_model_and_predicts_the_same(
 
 
 def test_peak_memory_per_rank_is_clearly_lower_under_fsdp(tmp_path: Path) -> None:
-    # MLP of width 4096 on digits: 17.1M parameters, 68 MB in fp32; AdamW triples it.
-    base = dict(dataset="digits", model="mlp", width=4096, epochs=1, optimizer="adamw",
-                batch_size=64, use_amp=False, tensorboard=False, save_every=0)
+    # An MLP of width 4096: 16.8M parameters, 64 MiB in fp32, which AdamW quadruples with
+    # its gradients and moments; few samples, so the time goes to the memory, not the data.
+    npz = write_npz(tmp_path / "d.npz", 200)
+    base = dict(dataset=str(npz), model="mlp", width=4096, epochs=1, optimizer="adamw",
+                batch_size=32, use_amp=False, tensorboard=False, save_every=0)
     ddp = run_ranks(fit_and_measure, 2, tmp_path, {**base, "output_dir": str(tmp_path / "d")})
     fsdp = run_ranks(fit_and_measure, 2, tmp_path,
                      {**base, "output_dir": str(tmp_path / "f"), "strategy": "fsdp"})
     for d, f in zip(ddp, fsdp, strict=True):
         held = sum(d["bytes"].values()) / 2**20
-        assert held > 250 and sum(f["bytes"].values()) / 2**20 < 0.55 * held
+        assert held > 240 and sum(f["bytes"].values()) / 2**20 < 0.55 * held
         assert f["peak_rss_mb"] < d["peak_rss_mb"] - 80, (f["peak_rss_mb"], d["peak_rss_mb"])
 
 
