@@ -197,7 +197,8 @@ def report(out: Path, clock: StepClock, **extra: Any) -> None:
 
 def track(sums: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, loss: torch.Tensor) -> None:
     """The metric sums every contestant keeps on the device, as ddptrain does:
-    (loss sum, correct, count), read only at the end."""
+    (loss sum, correct, count), all-reduced once at the end of each epoch, as the seed's
+    loop reports its epoch loss."""
     correct = (logits.argmax(dim=1) == y).sum()
     sums += torch.stack(
         [loss.detach().double() * y.shape[0], correct.double(), torch.tensor(float(len(y)))]

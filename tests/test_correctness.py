@@ -5,10 +5,12 @@
 3. The sampler covers every training sample, each on one rank, in a seeded order that
    changes between epochs.
 4. Validation metrics on 2 ranks equal those on 1 rank.
+5. Train rows are global, though their all-reduces are batched (one per epoch end).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from safetensors.torch import load_file
-from workers import count_allreduces, epoch_indices, evaluate_fresh
+from workers import count_allreduces, count_metric_collectives, epoch_indices, evaluate_fresh
 
 from ddptrain.cli import train
 from ddptrain.config import TrainingConfig
@@ -73,6 +75,31 @@ def test_accumulation_equals_big_batch_with_one_allreduce_per_step(
 def _ids(n: int, npz: Path, out: Path, tmp: Path, world: int) -> list[dict[int, list[int]]]:
     cfg = _base(npz, out, batch_size=16)
     return run_ranks(epoch_indices, world, tmp, cfg, n)
+
+
+def test_train_rows_are_global_though_reduced_in_batches(tmp_path: Path, npz400: Path) -> None:
+    """A row every step, yet one metric all-reduce per epoch end (and the first batch):
+    each row still holds every rank's samples of its own interval, as one process with
+    the same global batch logs them."""
+    two_dir, one_dir = tmp_path / "two", tmp_path / "one"
+    two = run_ranks(
+        count_metric_collectives, 2, tmp_path,
+        _base(npz400, two_dir, batch_size=16, log_interval=1),
+    )
+    _single(_base(npz400, one_dir, batch_size=32, log_interval=1))
+    epochs, steps = 2, 2 * 10
+    for rank in (0, 1):
+        # the first batch (after step 1), then per epoch: its train totals and validation
+        assert two[rank] == {"calls": 1 + 2 * epochs, "steps": steps}
+    rows = {}
+    for name, run_dir in (("two", two_dir), ("one", one_dir)):
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        rows[name] = [r for r in map(json.loads, lines) if r["split"] == "train"]
+    assert [r["step"] for r in rows["two"]] == list(range(1, steps + 1))
+    for a, b in zip(rows["two"], rows["one"], strict=True):
+        assert (a["step"], a["samples"]) == (b["step"], b["samples"]) == (a["step"], 32)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["accuracy"] == b["accuracy"]
 
 
 def test_sampler_covers_every_sample_once_per_epoch(tmp_path: Path, npz400: Path) -> None:

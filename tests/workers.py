@@ -121,3 +121,32 @@ def fit_and_measure(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
         }
 
     return _with_trainer(overrides, body)
+
+
+def count_metric_collectives(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The metric all-reduces of a fit (train rows, epoch totals, validation), with the
+    cadence pinned far beyond the run so that only the first batch and the epoch ends
+    reduce; and the train rows rank 0 wrote."""
+    import sys
+
+    import torch.distributed as dist
+
+    import ddptrain.trainer
+
+    ddptrain.trainer.SYNC_EVERY_S = 3600.0
+    calls = [0]
+    real = dist.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += sys._getframe(1).f_code.co_name == "reduce_snapshots"
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        def body(trainer: Trainer) -> dict[str, Any]:
+            trainer.fit()
+            return {"calls": calls[0], "steps": trainer.progress.step}
+
+        return _with_trainer(overrides, body)
+    finally:
+        dist.all_reduce = real

@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> None:
             track(sums, logits, y, loss)
             if accelerator.sync_gradients:
                 clock.step()
+        accelerator.reduce(sums, reduction="sum")  # the epoch's global train loss
     clock.stop()
     report(args.out, clock)
 

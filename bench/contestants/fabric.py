@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> None:
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
                 clock.step()
+        fabric.all_reduce(sums, reduce_op="sum")  # the epoch's global train loss
     clock.stop()
     report(args.out, clock)
 

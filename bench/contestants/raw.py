@@ -72,11 +72,13 @@ def run(args: argparse.Namespace, world: int) -> None:
         if epoch == 1:
             clock.start()
         sampler.set_epoch(epoch)
-        hand_written_epoch(
+        sums = hand_written_epoch(
             model, loader, optimizer, scheduler, criterion, config.grad_accum_steps,
             no_sync=not args.seed_style, keep_last_window=not args.seed_style,
             on_step=clock.step,
         )
+        if world > 1:
+            dist.all_reduce(sums)  # the epoch's global train loss, as the seed's loop reports
     clock.stop()
     rounds = counter.rounds / clock.steps if counter is not None else None
     report(args.out, clock, allreduce_rounds_per_step=rounds)

@@ -28,6 +28,8 @@ def to_device(
 ) -> Any:
     """Move every tensor in a nested batch to `device` (non-blocking: the copy overlaps
     with host work when the source is pinned); images (4-D) take `memory_format`."""
+    if device.type == "cpu" and memory_format is None:
+        return batch  # a CPU run's batches are where they belong already
     if isinstance(batch, torch.Tensor):
         if memory_format is not None and batch.ndim == 4:
             return batch.to(device, non_blocking=True, memory_format=memory_format)

@@ -46,13 +46,15 @@ class MetricSums:
     def update(self, score: Score) -> None:
         """Add a scored batch: its summed loss, the count it sums over (int or tensor),
         its metric sums and its number of samples."""
-        count, loss = score.count, score.loss_sum.detach()
+        count = score.count
         if isinstance(count, int):
             self._win_count += count
             count = self._zero
-        parts = [loss.reshape(1), count.reshape(1)]
-        parts += [score.metrics[name].reshape(1) for name in self.names[2:]]
-        self._win.add_(torch.cat([p.to(torch.float64) for p in parts]))
+        parts = [score.loss_sum.detach(), count, *(score.metrics[n] for n in self.names[2:])]
+        try:  # one stack and one add into the float64 sums: this runs every micro-batch
+            self._win.add_(torch.stack(parts))
+        except RuntimeError:  # a task's sums of shape (1,) rather than 0-d
+            self._win.add_(torch.cat([p.reshape(1).to(torch.float64) for p in parts]))
         self._win_samples += score.samples
 
     def window_count(self) -> torch.Tensor:
@@ -68,23 +70,16 @@ class MetricSums:
         self._win.zero_()
         self._win_count = self._win_samples = 0
 
+    def snapshot(self) -> torch.Tensor:
+        """This rank's committed totals as one float64 tensor, to all-reduce later (with
+        `reduce_snapshots`): the device sums, then the host-side count and samples."""
+        host = self._sums.new_tensor([float(self._count), float(self._samples)])
+        return torch.cat([self._sums, host])
+
     def global_totals(self, ctx: DistributedContext) -> list[float]:
         """Totals summed over every rank so far (see `summarize`). A sync point."""
-        totals, _ = self.global_totals_and_flag(ctx, False)
-        return totals
-
-    def global_totals_and_flag(
-        self, ctx: DistributedContext, flag: bool
-    ) -> tuple[list[float], bool]:
-        """The committed global totals and whether `flag` is set on any rank, in one
-        all-reduce. Totals are `names` then samples."""
-        host = self._sums.new_tensor([float(self._count), float(self._samples), float(flag)])
-        buf = torch.cat([self._sums, host])
-        if ctx.distributed:
-            dist.all_reduce(buf)
-        values = buf.tolist()
-        values[1] += values[-3]  # counts kept on the host join those kept on the device
-        return [*values[:-3], values[-2]], values[-1] > 0
+        totals, _, _ = reduce_snapshots(ctx, [self.snapshot()], False, 0.0)
+        return totals[-1]
 
     def set(self, totals: list[float]) -> None:
         """Start from saved global totals (a mid-epoch resume, on one rank)."""
@@ -94,6 +89,26 @@ class MetricSums:
     def summarize(self, totals: list[float]) -> dict[str, float]:
         """The task's metrics from global totals (or from a difference of two)."""
         return summarize(self.task, self.names, totals)
+
+
+def reduce_snapshots(
+    ctx: DistributedContext, snapshots: list[torch.Tensor], flag: bool, seconds: float
+) -> tuple[list[list[float]], bool, float]:
+    """All-reduce several snapshots of one split's sums in one collective, with whether
+    `flag` is set on any rank and the mean of the ranks' `seconds`. Returns the global
+    totals of each snapshot (`names` then samples), the flag and that mean; every rank
+    gets the same values."""
+    width = snapshots[0].numel()
+    control = torch.zeros(width, dtype=torch.float64, device=snapshots[0].device)
+    control[0], control[1] = float(flag), seconds
+    buf = torch.stack([*snapshots, control])
+    if ctx.distributed:
+        dist.all_reduce(buf)
+    *rows, (flags, total_s, *_) = buf.tolist()
+    for values in rows:
+        values[1] += values[-2]  # counts kept on the host join those kept on the device
+    totals = [[*values[:-2], values[-1]] for values in rows]
+    return totals, flags > 0, total_s / ctx.world_size
 
 
 def peak_rss_mb() -> float:
@@ -121,21 +136,26 @@ class EpochMeter:
         if is_main:
             self.sums.set(saved["totals"])
 
-    def row(self, totals: list[float], step: int) -> dict[str, Any]:
-        """The task's metrics and the throughput of the interval up to `totals`."""
+    def mark(self, step: int) -> tuple[float, dict[str, float]]:
+        """End the interval at `step`: its seconds and the row fields timed on this rank."""
         now = time.perf_counter()
-        interval = [a - b for a, b in zip(totals, self.logged, strict=True)]
         elapsed = now - self.t_last
-        steps = max(1, step - self.step_last)
-        row = {
-            **self.sums.summarize(interval),
-            "samples_per_sec": interval[-1] / elapsed,
-            "step_time_s": elapsed / steps,
+        fields = {
+            "step_time_s": elapsed / max(1, step - self.step_last),
             "data_wait_frac": self.wait / elapsed,
             "peak_rss_mb": peak_rss_mb(),
         }
-        self.logged, self.t_last, self.wait, self.step_last = totals, now, 0.0, step
-        return row
+        self.t_last, self.wait, self.step_last = now, 0.0, step
+        return elapsed, fields
+
+    def row(self, totals: list[float], mark: tuple[float, dict[str, float]]) -> dict[str, Any]:
+        """The task's metrics and the throughput of the interval `mark` up to `totals`."""
+        interval = [a - b for a, b in zip(totals, self.logged, strict=True)]
+        elapsed, fields = mark
+        self.logged = totals
+        return {
+            **self.sums.summarize(interval), "samples_per_sec": interval[-1] / elapsed, **fields
+        }
 
 
 def summarize(task: Task, names: tuple[str, ...], totals: list[float]) -> dict[str, float]:

@@ -11,6 +11,9 @@ import torch
 from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError
 
+# A context that does nothing, reusable: the step enters one or two per micro-batch.
+NO_CONTEXT = contextlib.nullcontext()
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -20,7 +23,7 @@ class Precision:
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.dtype is None:
-            return contextlib.nullcontext()
+            return NO_CONTEXT
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def describe(self) -> str:

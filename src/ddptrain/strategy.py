@@ -22,9 +22,8 @@ size loads under another.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -45,7 +44,7 @@ from ddptrain.config import TrainingConfig
 from ddptrain.distributed import DistributedContext
 from ddptrain.errors import ConfigError
 from ddptrain.optim import build_optimizer, optimizer_spec
-from ddptrain.precision import Precision
+from ddptrain.precision import NO_CONTEXT, Precision
 
 log = logging.getLogger("ddptrain")
 
@@ -74,10 +73,9 @@ class Strategy:
         return build_optimizer(module, self.config, lr)
 
     # ------------------------------------------------------------------ step
-    @contextlib.contextmanager
-    def no_backward_sync(self, model: nn.Module, skip: bool) -> Iterator[None]:
+    def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
         """Inside, backward only accumulates gradients locally (when `skip`)."""
-        yield
+        return NO_CONTEXT
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm; returns the norm before clipping."""
@@ -142,13 +140,8 @@ class DDP(Strategy):
         # Gradients written straight into the all-reduce buckets save a copy per step.
         return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
 
-    @contextlib.contextmanager
-    def no_backward_sync(self, model: nn.Module, skip: bool) -> Iterator[None]:
-        if not skip:
-            yield
-            return
-        with model.no_sync():  # type: ignore[operator]
-            yield
+    def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
+        return model.no_sync() if skip else NO_CONTEXT  # type: ignore[operator]
 
 
 class Zero(DDP):
@@ -253,10 +246,9 @@ class FSDP(Strategy):
         self._root = module
         return module
 
-    @contextlib.contextmanager
-    def no_backward_sync(self, model: nn.Module, skip: bool) -> Iterator[None]:
+    def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
         self._root.set_requires_gradient_sync(not skip)  # type: ignore[operator]
-        yield
+        return NO_CONTEXT
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         # Each rank holds a shard of every gradient: the norm of the sharded gradients

@@ -54,7 +54,7 @@ from ddptrain.distributed import DistributedContext
 from ddptrain.files import atomic_write_text
 from ddptrain.flops import gpu_fields
 from ddptrain.hooks import Console, Curves, Hook, Hooks
-from ddptrain.metrics import EpochMeter, MetricSums, MetricsWriter
+from ddptrain.metrics import EpochMeter, MetricSums, MetricsWriter, reduce_snapshots
 from ddptrain.models import create_model
 from ddptrain.optim import build_scheduler, peak_lr
 from ddptrain.plan import RunPlan, format_plan, make_plan
@@ -68,10 +68,15 @@ from ddptrain.trackers import tracker_hooks
 
 log = logging.getLogger("ddptrain")
 
-# A SIGTERM is acted on at the next metric all-reduce: every --log_interval steps, and at
-# least every this many, so a preempted job stops well inside the launcher's grace period
-# (torchrun: 30 s) without adding a collective to every step.
-STOP_CHECK_STEPS = 25
+# Train rows are all-reduced in batches: one collective about every SYNC_EVERY_S seconds
+# of training (and at the end of each epoch), whatever --log_interval is, since on a busy
+# machine a collective costs far more than its bytes. Until the step time is known, the
+# first batch is due after --log_interval steps, and never later than FIRST_SYNC_STEPS.
+# The same collective carries the stop request: a SIGTERM is acted on within about
+# SYNC_EVERY_S plus a step, well inside a launcher's grace period (torchrun: 30 s).
+SYNC_EVERY_S = 2.0
+FIRST_SYNC_STEPS = 25
+MAX_SYNC_STEPS = 100_000
 
 
 class Trainer:
@@ -107,6 +112,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, warmup_steps, self.total_steps)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision.scaler)
         self.progress = Progress()
+        self._ckpt_dir = config.ckpt_dir
+        self._sync_every = min(config.log_interval, FIRST_SYNC_STEPS)
         self.steps_done_in_epoch = 0
         self._resumed_meter: dict[str, Any] | None = None
         self.stop = StopRequest()
@@ -359,41 +366,68 @@ class Trainer:
         return not self.progress.bad_streak
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
-        cfg, ctx = self.config, self.ctx
+        cfg = self.config
         self.model.train()
         meter = self._new_meter()
         self.steps_done_in_epoch = max(0, self.progress.step - (epoch - 1) * self.steps_per_epoch)
         self.hooks.on_epoch_start(self, epoch)
-        inputs: Any = None
+        sync = Sync(self.progress.step, self._sync_every)
         for batch, micro, waited in self.train_batches.epoch(epoch, self.progress.samples_in_epoch):
             meter.wait += waited
-            inputs = self._forward_backward(batch, micro, meter.sums)
-            self._filler = inputs
+            self._filler = self._forward_backward(batch, micro, meter.sums)
             if not micro.ends_window:
                 continue
             good = self._optimizer_step(meter.sums)
             meter.sums.commit(keep=good)
-            self.progress.count_step(good, self.config.max_bad_steps, self.config.ckpt_dir)
+            self.progress.count_step(good, cfg.max_bad_steps, self._ckpt_dir)
             self.progress.samples_in_epoch = micro.position
             if self.first_step_s is None:
                 self._first_step_done()
             self.hooks.on_step_end(self)
             step = self.progress.step
-            log_now = step % cfg.log_interval == 0
+            if step % cfg.log_interval == 0:
+                sync.rows.append((meter.sums.snapshot(), self._row_head(epoch, meter)))
             save_now = bool(cfg.save_every_steps) and step % cfg.save_every_steps == 0
-            if not (log_now or save_now or step % STOP_CHECK_STEPS == 0):
-                continue
-            # The one all-reduce of metric totals also carries the stop request, so all
-            # ranks learn of a SIGTERM at the same step.
-            totals, stop = meter.sums.global_totals_and_flag(ctx, self.stop.requested)
-            if log_now:
-                self._log_interval(epoch, meter, totals, inputs)
-            if save_now or stop:
-                self._save_mid_epoch(meter, totals, stop)
-        totals, stop = meter.sums.global_totals_and_flag(ctx, self.stop.requested)
+            # One process needs no agreement: a stop request is acted on at once.
+            alone_stopping = self.stop.requested and not self.ctx.distributed
+            if save_now or sync.due(step) or alone_stopping:
+                totals, stop = self._sync(sync, meter)
+                if save_now or stop:
+                    self._save_mid_epoch(meter, totals, stop)
+        totals, stop = self._sync(sync, meter)
         if stop:
             self._save_mid_epoch(meter, totals, stop)
         return meter.sums.summarize(totals)
+
+    def _row_head(self, epoch: int, meter: EpochMeter) -> tuple[dict[str, Any], Any]:
+        """What a train row takes from the step it is logged at, and the interval's timing."""
+        head = {
+            "split": "train", "epoch": epoch, "step": self.progress.step,
+            "lr": self.optimizer.param_groups[0]["lr"], "bad_steps": self.progress.bad_steps,
+        }
+        return head, meter.mark(self.progress.step)
+
+    def _sync(self, sync: Sync, meter: EpochMeter) -> tuple[list[float], bool]:
+        """One all-reduce of the metric totals at every log point since the last sync and
+        of those now, with the stop request and the ranks' step time: writes those train
+        rows, sets when the next sync is due; returns (the totals now, whether to stop)."""
+        step, now = self.progress.step, time.perf_counter()
+        steps = step - sync.step
+        step_s = (now - sync.t) / steps if steps else 0.0
+        snapshots = [snap for snap, _ in sync.rows] + [meter.sums.snapshot()]
+        totals, stop, mean_step_s = reduce_snapshots(
+            self.ctx, snapshots, self.stop.requested, step_s
+        )
+        for (_, (head, mark)), row_totals in zip(sync.rows, totals, strict=False):
+            row = {**head, **meter.row(row_totals, mark)}
+            row.update(gpu_fields(
+                self.module, self._filler, row["samples_per_sec"], self.ctx, self.precision.dtype
+            ))
+            self.hooks.on_row(self, row)
+        if steps and mean_step_s > 0:  # the same on every rank: it was all-reduced
+            self._sync_every = max(1, min(MAX_SYNC_STEPS, round(SYNC_EVERY_S / mean_step_s)))
+        sync.restart(step, self._sync_every)
+        return totals[-1], stop
 
     def _first_step_done(self) -> None:
         self.first_step_s = time.perf_counter() - self._t_fit
@@ -447,17 +481,6 @@ class Trainer:
         if saved:  # mid-epoch resume: the epoch's figures continue from the checkpoint
             meter.restore(saved, self.ctx.is_main)
         return meter
-
-    def _log_interval(
-        self, epoch: int, meter: EpochMeter, totals: list[float], inputs: Any
-    ) -> None:
-        row = meter.row(totals, self.progress.step)
-        rate = row["samples_per_sec"]
-        self.hooks.on_row(self, {
-            "split": "train", "epoch": epoch, "step": self.progress.step, **row,
-            "lr": self.optimizer.param_groups[0]["lr"], "bad_steps": self.progress.bad_steps,
-            **gpu_fields(self.module, inputs, rate, self.ctx, self.precision.dtype),
-        })
 
     def _optimizer_step(self, sums: MetricSums) -> bool:
         """Step unless the gradients are not finite; returns whether it stepped."""
@@ -554,6 +577,21 @@ class Trainer:
             "checkpoint %s%s%s", path, " (best so far)" if best else "",
             " (being written in the background)" if background else "",
         )
+
+
+class Sync:
+    """When the next metric all-reduce is due, and the train rows it will complete."""
+
+    def __init__(self, step: int, every: int) -> None:
+        self.rows: list[tuple[torch.Tensor, tuple[dict[str, Any], Any]]] = []
+        self.restart(step, every)
+
+    def restart(self, step: int, every: int) -> None:
+        self.rows.clear()
+        self.step, self.every, self.t = step, every, time.perf_counter()
+
+    def due(self, step: int) -> bool:
+        return step - self.step >= self.every
 
 
 def _better(score: float, best: float, mode: str) -> bool:
