@@ -13,6 +13,7 @@ other exit codes are listed in `ddptrain.errors`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 import sys
@@ -50,6 +51,12 @@ def _print_summary(config: TrainingConfig, summary: dict[str, Any]) -> None:
 
 def _cmd_train(argv: list[str]) -> int:
     config = parse_config(argv)
+    # torch and the trainer's modules are hundreds of thousands of objects that live as
+    # long as the process: frozen, the cyclic collector never walks them again (each full
+    # collection, such as the one before the process group is destroyed, saves ~0.1 s).
+    import ddptrain.trainer  # noqa: F401
+
+    gc.freeze()
     summary = train(config)
     if summary is not None and not summary.get("dry_run") and not summary.get("already_finished"):
         _print_summary(config, summary)

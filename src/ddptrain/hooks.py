@@ -10,6 +10,7 @@ is anything a user passes to `ddptrain.fit(hooks=[...])`.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -183,5 +184,11 @@ class Curves(Hook):
                 [sys.executable, "-m", "ddptrain", "plot", str(run_dir), "-o", str(out)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True,  # not ours to wait for, nor to take down with us
+                # at the lowest priority: the ranks' teardown and exit go first on busy cores
+                preexec_fn=_lowest_priority,
             )
             log.info("curves %s (drawn in the background)", out)
+
+
+def _lowest_priority() -> None:
+    os.nice(19)

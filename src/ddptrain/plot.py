@@ -9,6 +9,7 @@ per-epoch validation rows as dashed lines with markers, against the optimizer st
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,5 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
 
 
 def matplotlib_available() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether matplotlib is installed, without importing it (a tenth of a second)."""
+    return importlib.util.find_spec("matplotlib") is not None
