@@ -537,8 +537,9 @@ class TrainBatches:
         self.steps_per_epoch = steps_per_epoch(
             self.n, ctx.world_size, config.batch_size, config.grad_accum_steps, config.drop_last
         )
-        if config.num_workers == 0:
-            dataset = self.dataset = as_sliceable(dataset)
+        # A TensorDataset is sliced a batch at a time, in this process or in each worker,
+        # instead of collated sample by sample.
+        dataset = self.dataset = as_sliceable(dataset)
         self.in_process = isinstance(dataset, ArrayDataset) and config.num_workers == 0
         self.sampler = PlanSampler()
         self.loader = None if self.in_process else _dataloader(
@@ -731,8 +732,7 @@ def make_val_loader(dataset: Dataset, config: TrainingConfig, ctx: DistributedCo
     if isinstance(dataset, IterableDataset):
         return make_iterable_loader(dataset, config, ctx)
     indices = torch.arange(ctx.rank, len(dataset), ctx.world_size)  # type: ignore[arg-type]
-    if config.num_workers == 0:
-        dataset = as_sliceable(dataset)
+    dataset = as_sliceable(dataset)
     if isinstance(dataset, ArrayDataset) and config.num_workers == 0:
         return _ArrayBatches(dataset, indices, config.batch_size)
     return _dataloader(dataset, config, ctx, batch_size=config.batch_size,
