@@ -134,6 +134,9 @@ def fit(
         finally:
             teardown_distributed(clean)
     finally:
+        from ddptrain.plot import wait_for_drawings
+
+        wait_for_drawings()  # curves.png, drawn while the group tore down: in before the lock goes
         lock.release()
     return summary
 

@@ -10,7 +10,6 @@ is anything a user passes to `ddptrain.fit(hooks=[...])`.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -158,10 +157,10 @@ class Curves(Hook):
     """Leaves `curves.png` in the run directory at the end (rank 0), when matplotlib is
     installed.
 
-    Drawing costs about a second and a half of imports and rendering on a small CPU, so by
-    default a detached `ddptrain plot` process draws it while this one tears down and
-    exits: the file appears a moment after the run ends. With `sync` (a tracker that
-    uploads it), it is drawn here, before the tracker's `on_fit_end`."""
+    A child process draws it (`ddptrain.plot.draw_in_background`) while this one
+    exports, tears down the process group and lets the other ranks go; the job waits for
+    it before it releases its run directory, so the file is there when the job ends. With
+    `sync` (a tracker uploads the file at its `on_fit_end`) it is waited for at once."""
 
     def __init__(self, sync: bool = False) -> None:
         self.sync = sync
@@ -169,26 +168,12 @@ class Curves(Hook):
     def on_fit_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         if not trainer.ctx.is_main:
             return
-        from ddptrain.plot import matplotlib_available, plot_runs
+        from ddptrain.plot import draw_in_background, matplotlib_available, wait_for_drawings
 
-        run_dir = trainer.config.run_dir
-        out = run_dir / "curves.png"
         if not matplotlib_available():
             log.info("matplotlib is not installed: no curves.png (pip install 'ddptrain[viz]')")
-        elif self.sync:
-            log.info("curves %s", plot_runs([run_dir], out))
-        else:
-            import subprocess
-
-            subprocess.Popen(
-                [sys.executable, "-m", "ddptrain", "plot", str(run_dir), "-o", str(out)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True,  # not ours to wait for, nor to take down with us
-                # at the lowest priority: the ranks' teardown and exit go first on busy cores
-                preexec_fn=_lowest_priority,
-            )
-            log.info("curves %s (drawn in the background)", out)
-
-
-def _lowest_priority() -> None:
-    os.nice(19)
+            return
+        run_dir = trainer.config.run_dir
+        draw_in_background(run_dir, run_dir / "curves.png")
+        if self.sync:
+            wait_for_drawings()

@@ -4,17 +4,24 @@
 
 Each run directory's `metrics.jsonl` is read; train rows are drawn as solid lines, the
 per-epoch validation rows as dashed lines with markers, against the optimizer step. Every
-`ddptrain train` also leaves its own `curves.png` in its run directory.
+`ddptrain train` also leaves its own `curves.png` in its run directory, drawn by a child
+process while the job tears down (`draw_in_background`) and waited for before the job
+releases the directory (`wait_for_drawings`): when the job ends its directory is whole.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 from ddptrain.config import ConfigError
+
+log = logging.getLogger("ddptrain")
 
 # (row field, panel title, also draw the validation rows' field of the same name); METRIC
 # stands for the run's first task metric (accuracy, mse, f1, perplexity, ...).
@@ -107,3 +114,37 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
 def matplotlib_available() -> bool:
     """Whether matplotlib is installed, without importing it (a tenth of a second)."""
     return importlib.util.find_spec("matplotlib") is not None
+
+
+# The `ddptrain plot` children this process started and has not waited for yet (children
+# are the process's own, like subprocess's list of them, whoever started them).
+_drawing: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+
+def draw_in_background(run_dir: Path, out: Path) -> None:
+    """Start drawing `run_dir`'s curves into `out` in a child process: matplotlib's
+    imports and the rendering (about a second on a small CPU) overlap with what this
+    process does next. `wait_for_drawings` collects it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddptrain", "plot", str(run_dir), "-o", str(out)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    _drawing.append((proc, out))
+
+
+def wait_for_drawings(timeout_s: float = 120.0) -> None:
+    """Wait for every drawing this process started; a failed one is one warning line."""
+    while _drawing:
+        proc, out = _drawing.pop(0)
+        try:
+            _, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            log.warning("curves: drawing %s took over %.0fs and was stopped", out, timeout_s)
+            continue
+        if proc.returncode:
+            lines = err.decode(errors="replace").strip().splitlines() or ["no output"]
+            log.warning("curves: %s was not drawn (%s)", out, lines[-1][:200])
+        else:
+            log.info("curves %s", out)
