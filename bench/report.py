@@ -499,6 +499,20 @@ def _process_section(results: dict[str, Any], figures: dict[str, Any]) -> list[s
             "",
             f"ddptrain's run takes {gap:+.2f} s against the script's: {inside:+.2f} s in the "
             f"epochs and {gap - inside:+.2f} s outside them.",
+            "",
+            "Outside the epochs ddptrain does what the script leaves out: it imports its "
+            "own modules and",
+            "PyYAML, writes `config.yaml`, opens the TensorBoard writer, exports "
+            "`model.safetensors`, and",
+            "draws `curves.png`. The drawing (matplotlib's imports and the rendering, "
+            "about a second of",
+            "one core) runs in a child process beside the ranks' teardown, and the job "
+            "waits for it",
+            "before it releases its directory, so that the directory is whole when the "
+            "job ends. What",
+            "the teardown does not hide stays on the job's time: the price of a run "
+            "directory that holds",
+            "everything the log says it does.",
         ]
     return lines
 
