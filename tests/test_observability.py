@@ -87,6 +87,20 @@ def test_every_run_leaves_curves_png(run_dir: Path) -> None:
     assert not list(run_dir.glob(".curves.png.*"))  # no half-drawn temporary left
 
 
+def test_a_drawing_that_fails_is_one_warning_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ddptrain.plot import draw_in_background, wait_for_drawings
+
+    out = tmp_path / "curves.png"
+    draw_in_background(tmp_path / "no-such-run", out)
+    with caplog.at_level("WARNING", logger="ddptrain"):
+        wait_for_drawings()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "was not drawn" in lines[0] and "does not exist" in lines[0]
+    assert not out.exists()
+
+
 def test_plot_overlays_two_runs(run_dir: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
     other.mkdir()
