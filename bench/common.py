@@ -23,8 +23,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.config import TrainingConfig
-from ddptrain.data import ArrayDataset, DataBundle, load_data
-from ddptrain.optim import warmup_cosine
+from ddptrain.data.arrays import ArrayDataset
+from ddptrain.data.bundle import DataBundle
+from ddptrain.data.sources import load_data
+from ddptrain.train.optim import warmup_cosine
 
 # The contest's workloads: overhead-dominated (a tiny MLP, ~1 ms steps), compute-dominated
 # (MiniResNet on 3x32x32 images), and a user's own TensorDataset (`bench/userdata.py`),
@@ -211,7 +213,7 @@ def contestant_main(run: Callable[[argparse.Namespace], None]) -> None:
     Models and loaders die with `run`'s frame; destroying the group while a DDP reducer
     lived could abort gloo at exit.
     """
-    from ddptrain.distributed import teardown_distributed
+    from ddptrain.launch.process_group import teardown_distributed
 
     try:
         run(parse_args())

@@ -18,7 +18,7 @@ import torch
 from conftest import BIN, child_env
 from safetensors.torch import load_file
 
-from ddptrain.checkpoint import list_checkpoints
+from ddptrain.checkpoint.pt import list_checkpoints
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:

@@ -11,17 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from ddptrain.context import DistributedContext
 from safetensors.torch import load_file
 
-from ddptrain.checkpoint import (
-    LATEST,
-    find_resumable,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-)
+from ddptrain.checkpoint.manager import find_resumable, load_checkpoint
+from ddptrain.checkpoint.pt import LATEST, list_checkpoints, save_checkpoint
 from ddptrain.cli import main
-from ddptrain.distributed import DistributedContext
 
 
 def _write_until_killed(directory: Path, step: int) -> None:

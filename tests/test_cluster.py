@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from ddptrain.cluster import ClusterEnv, parse_nodelist, read_cluster_env
 from ddptrain.config import ConfigError
+from ddptrain.launch.cluster import ClusterEnv, parse_nodelist, read_cluster_env
 
 TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1",
             "MASTER_PORT": "29500"}
@@ -23,7 +23,7 @@ BATCH = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
 @pytest.fixture(autouse=True)
 def _no_scontrol(monkeypatch: pytest.MonkeyPatch) -> None:
     # Node lists are expanded by our parser here, whatever Slurm this machine has.
-    monkeypatch.setattr("ddptrain.cluster.shutil.which", lambda name: None)
+    monkeypatch.setattr("ddptrain.launch.cluster.shutil.which", lambda name: None)
 
 
 def test_nothing_set_is_a_single_process() -> None:
@@ -141,7 +141,8 @@ def test_parse_nodelist(nodelist: str, hosts: tuple[str, ...]) -> None:
 
 
 def test_names_stay_importable_from_distributed() -> None:
-    from ddptrain import cluster, distributed
+    from ddptrain.launch import cluster
+    from ddptrain.launch import process_group as distributed
 
     assert distributed.ClusterEnv is cluster.ClusterEnv
     assert distributed.read_cluster_env is cluster.read_cluster_env

@@ -103,7 +103,7 @@ def test_train_rows_are_global_though_reduced_in_batches(tmp_path: Path, npz400:
 
 
 def test_sampler_covers_every_sample_once_per_epoch(tmp_path: Path, npz400: Path) -> None:
-    from ddptrain.data import split_indices
+    from ddptrain.data.sources import split_indices
 
     train_idx, _ = split_indices(400, 0.2, seed=7)
     expected = sorted(train_idx.tolist())

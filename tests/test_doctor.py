@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain.doctor import bus_bandwidth, choose_interface, parse_size
+from ddptrain.launch.doctor import bus_bandwidth, choose_interface, parse_size
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -110,8 +110,8 @@ def test_bad_flag_is_one_line_exit_2(tmp_path: Path) -> None:
 
 
 def test_loopback_host_name_warning_on_multi_node_gloo() -> None:
-    from ddptrain.cluster import ClusterEnv
-    from ddptrain.doctor import _loopback_warning
+    from ddptrain.launch.cluster import ClusterEnv
+    from ddptrain.launch.doctor import _loopback_warning
 
     two_nodes = ClusterEnv(0, 0, 4, "torchrun", "10.0.0.1", 29500)
     env = {"LOCAL_WORLD_SIZE": "2"}

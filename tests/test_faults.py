@@ -34,8 +34,8 @@ from procs import (  # noqa: F401  (reap: an autouse fixture)
 )
 from workers import train_and_report
 
-from ddptrain.checkpoint import list_checkpoints
-from ddptrain.data import split_indices
+from ddptrain.checkpoint.pt import list_checkpoints
+from ddptrain.data.sources import split_indices
 from ddptrain.errors import EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow

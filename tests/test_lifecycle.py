@@ -30,7 +30,8 @@ from procs import (  # noqa: F401  (reap: an autouse fixture)
 )
 from workers import run_training
 
-from ddptrain.checkpoint import list_checkpoints, load_checkpoint
+from ddptrain.checkpoint.manager import load_checkpoint
+from ddptrain.checkpoint.pt import list_checkpoints
 from ddptrain.errors import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_IO, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from ddptrain.context import DistributedContext
 from torch import nn
 
 from ddptrain.cli import main
-from ddptrain.distributed import DistributedContext
-from ddptrain.flops import count_flops, gpu_fields, mfu, peak_flops
-from ddptrain.metrics import MetricsWriter
+from ddptrain.observe.flops import count_flops, gpu_fields, mfu, peak_flops
+from ddptrain.observe.writer import MetricsWriter
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_FIELDS = (
@@ -90,7 +90,7 @@ def test_every_run_leaves_curves_png(run_dir: Path) -> None:
 def test_a_drawing_that_fails_is_one_warning_line(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from ddptrain.plot import draw_in_background, wait_for_drawings
+    from ddptrain.observe.plot import draw_in_background, wait_for_drawings
 
     out = tmp_path / "curves.png"
     draw_in_background(tmp_path / "no-such-run", out)
@@ -193,11 +193,12 @@ def _count_rounds(rank: int, port: int, out: str) -> None:
     from bench.allreduce import AllReduceCounter
     from bench.loops import hand_written_epoch
     from ddptrain.config import TrainingConfig
-    from ddptrain.data import load_data
-    from ddptrain.distributed import ClusterEnv, setup_distributed, teardown_distributed
-    from ddptrain.hooks import Hook
-    from ddptrain.models import create_model
-    from ddptrain.trainer import Trainer
+    from ddptrain.data.sources import load_data
+    from ddptrain.launch.cluster import ClusterEnv
+    from ddptrain.launch.process_group import setup_distributed, teardown_distributed
+    from ddptrain.models.factory import create_model
+    from ddptrain.observe.hooks import Hook
+    from ddptrain.train.trainer import Trainer
 
     # 455 training samples: 228 per rank, 12 batches of 19, 3 windows of 4
     config = TrainingConfig(

@@ -10,7 +10,7 @@ import torch
 
 from ddptrain.cli import main
 from ddptrain.config import TrainingConfig
-from ddptrain.trainer import resolve_precision
+from ddptrain.train.precision import resolve_precision
 
 
 def _summary(run: Path) -> dict:

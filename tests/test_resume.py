@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ddptrain.checkpoint import list_checkpoints
+from ddptrain.checkpoint.pt import list_checkpoints
 from ddptrain.cli import main
 
 

@@ -37,9 +37,10 @@ from procs import (  # noqa: F401  (reap: an autouse fixture)
 )
 from workers import fit_and_measure, run_training
 
-from ddptrain.checkpoint import export_safetensors, load_checkpoint
-from ddptrain.checkpoint_dcp import list_step_dirs
-from ddptrain.models import MLP
+from ddptrain.checkpoint.dcp import list_step_dirs
+from ddptrain.checkpoint.export import export_safetensors
+from ddptrain.checkpoint.manager import load_checkpoint
+from ddptrain.models.nets import MLP
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +132,7 @@ def test_an_fsdp_export_loads_into_the_users_model_and_predicts_the_same(
     model = MLP(6, 3, 64)
     model.load_state_dict(load_file(str(run / "model.safetensors")))  # strict, own names
     data = np.load(runs["npz"])
-    from ddptrain.data import split_indices
+    from ddptrain.data.sources import split_indices
 
     _, val = split_indices(len(data["y"]), 0.2, 7)
     x, y = torch.from_numpy(data["x"][val]), torch.from_numpy(data["y"][val])
@@ -258,9 +259,9 @@ def test_a_worker_killed_during_a_dcp_write_resumes_bitwise_exactly(tmp_path: Pa
 
 # ------------------------------------------------------------ what fsdp shards, and bad input
 def test_fsdp_shards_the_repeated_blocks_of_each_builtin_model() -> None:
-    from ddptrain.gpt import GPT, GPTConfig
-    from ddptrain.models import MiniResNet
-    from ddptrain.strategy import fsdp_blocks
+    from ddptrain.models.gpt import GPT, GPTConfig
+    from ddptrain.models.nets import MiniResNet
+    from ddptrain.parallel.fsdp import fsdp_blocks
 
     assert [type(b).__name__ for b in fsdp_blocks(MLP(6, 3, 64), None)] == ["Linear"] * 3
     gpt = fsdp_blocks(GPT(GPTConfig(32, 16, n_layer=3, n_head=2, n_embd=32)), None)
@@ -274,7 +275,7 @@ def test_bad_sharding_settings_are_one_line_each(tmp_path: Path) -> None:
     from conftest import run_cli
 
     from ddptrain.errors import ConfigError
-    from ddptrain.strategy import fsdp_blocks
+    from ddptrain.parallel.fsdp import fsdp_blocks
 
     with pytest.raises(ConfigError, match=r"--fsdp_wrap 'Nope' matches no module.*Linear"):
         fsdp_blocks(MLP(6, 3, 64), "Nope")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import child_env, run_cli, run_torchrun
 
-from ddptrain.checkpoint import load_checkpoint
+from ddptrain.checkpoint.manager import load_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from workers import run_training
 from ddptrain import TrainingConfig, fit
 from ddptrain.cli import main
 from ddptrain.errors import ConfigError
-from ddptrain.tasks import Classification, LanguageModel, MultiLabel, Regression
+from ddptrain.train.tasks import Classification, LanguageModel, MultiLabel, Regression
 
 
 # ---------------------------------------------------------------- the tasks' arithmetic
@@ -189,7 +189,7 @@ def _one_sgd_step(tmp_path: Path, name: str, **kw: Any) -> dict[str, torch.Tenso
         weight_decay=0.0, output_dir=str(tmp_path / name), tensorboard=False, **kw,
     )
     torch.manual_seed(cfg.seed)
-    from ddptrain.models import MLP
+    from ddptrain.models.nets import MLP
 
     start = {k: v.clone() for k, v in MLP(30, 2, 64).state_dict().items()}
     fit(cfg)
@@ -221,9 +221,9 @@ def test_bfloat16_autocast_is_applied(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- iterable and big data
 def _iterable_ids(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
-    from ddptrain.data import load_data
-    from ddptrain.distributed import setup_distributed, teardown_distributed
-    from ddptrain.trainer import Trainer
+    from ddptrain.data.sources import load_data
+    from ddptrain.launch.process_group import setup_distributed, teardown_distributed
+    from ddptrain.train.trainer import Trainer
 
     config = TrainingConfig(**overrides).validate()
     ctx = setup_distributed(config)
@@ -265,7 +265,8 @@ def test_npy_pair_is_memory_mapped(tmp_path: Path) -> None:
     x = rng.normal(size=(300, 6)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "y.npy", (x[:, 0] > 0).astype(np.int64))
-    from ddptrain.data import MemmapDataset, load_data
+    from ddptrain.data.arrays import MemmapDataset
+    from ddptrain.data.sources import load_data
 
     config = TrainingConfig(dataset=str(tmp_path / "x.npy")).validate()
     data = load_data(config)
@@ -328,7 +329,7 @@ def test_public_names() -> None:
 # ---------------------------------------------------------------- the built-in demos
 @pytest.mark.slow
 def test_demos_reach_their_quality_bar(tmp_path: Path) -> None:
-    from ddptrain.text import char_lm_datasets
+    from ddptrain.data.text import char_lm_datasets
 
     reg = run_torchrun(2, ["train", *DIABETES_DEMO, "--output_dir", str(tmp_path / "d")],
                        cwd=tmp_path)

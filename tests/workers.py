@@ -9,9 +9,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from ddptrain.cli import train
 from ddptrain.config import TrainingConfig
-from ddptrain.data import load_data
-from ddptrain.distributed import setup_distributed, teardown_distributed
-from ddptrain.trainer import Trainer
+from ddptrain.data.sources import load_data
+from ddptrain.launch.process_group import setup_distributed, teardown_distributed
+from ddptrain.train.trainer import Trainer
 
 
 def run_training(rank: int, overrides: dict[str, Any]) -> dict[str, Any] | None:
@@ -99,7 +99,7 @@ def fit_and_measure(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
     calls, the steps, the bytes it holds, its peak RSS and the run's summary."""
     import torch.distributed as dist
 
-    from ddptrain.metrics import peak_rss_mb
+    from ddptrain.train.metrics import peak_rss_mb
 
     def body(trainer: Trainer) -> dict[str, Any]:
         calls = [0]
@@ -131,9 +131,9 @@ def count_metric_collectives(rank: int, overrides: dict[str, Any]) -> dict[str, 
 
     import torch.distributed as dist
 
-    import ddptrain.trainer
+    import ddptrain.train.trainer
 
-    ddptrain.trainer.SYNC_EVERY_S = 3600.0
+    ddptrain.train.trainer.SYNC_EVERY_S = 3600.0
     calls = [0]
     real = dist.all_reduce
 

@@ -30,7 +30,7 @@ from bench.common import (
     track,
     workload_config,
 )
-from ddptrain.models import create_model
+from ddptrain.models.factory import create_model
 
 
 def run(args: argparse.Namespace) -> None:

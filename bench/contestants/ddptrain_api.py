@@ -1,4 +1,4 @@
-"""Contestant `ddptrain`: the real `ddptrain.trainer.Trainer`, as `ddptrain train` runs it.
+"""Contestant `ddptrain`: the real `ddptrain.train.trainer.Trainer`, as `ddptrain train` runs it.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/contestants/ddptrain_api.py \
         --workload mlp --out ddptrain.json
@@ -40,13 +40,10 @@ from bench.common import (  # noqa: E402
     workload_config,
 )
 from ddptrain.config import TrainingConfig  # noqa: E402
-from ddptrain.distributed import (  # noqa: E402
-    read_cluster_env,
-    setup_distributed,
-    teardown_distributed,
-)
-from ddptrain.hooks import Hook  # noqa: E402
-from ddptrain.trainer import Trainer  # noqa: E402
+from ddptrain.launch.cluster import read_cluster_env
+from ddptrain.launch.process_group import setup_distributed, teardown_distributed
+from ddptrain.observe.hooks import Hook  # noqa: E402
+from ddptrain.train.trainer import Trainer  # noqa: E402
 
 IMPORTS_DONE = time.time()
 # The first torch.optim optimizer imports torch._dynamo (its methods are wrapped to keep

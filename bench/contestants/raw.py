@@ -34,8 +34,8 @@ from bench.common import (
     workload_config,
 )
 from bench.loops import hand_written_epoch
-from ddptrain.distributed import teardown_distributed
-from ddptrain.models import create_model
+from ddptrain.launch.process_group import teardown_distributed
+from ddptrain.models.factory import create_model
 
 
 def main() -> None:

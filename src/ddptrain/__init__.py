@@ -3,7 +3,8 @@
     from ddptrain import TrainingConfig, fit, Task, Hook
 
 `fit` runs the whole lifecycle (see `ddptrain.api`); `Task` is the interface of a task
-(`ddptrain.tasks`), `Hook` that of a step hook (`ddptrain.hooks`). They are imported on
+(`ddptrain.train.tasks`), `Hook` that of a step hook (`ddptrain.observe.hooks`). They are
+imported on
 first use, so `ddptrain --help` answers without loading torch.
 """
 
@@ -16,7 +17,7 @@ __all__ = ["ConfigError", "Hook", "Task", "TrainingConfig", "fit"]
 
 _EXPORTS = {
     "fit": "ddptrain.api", "TrainingConfig": "ddptrain.config", "ConfigError": "ddptrain.errors",
-    "Task": "ddptrain.tasks", "Hook": "ddptrain.hooks",
+    "Task": "ddptrain.train.tasks", "Hook": "ddptrain.observe.hooks",
 }
 
 

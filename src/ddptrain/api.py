@@ -16,14 +16,17 @@ the command line.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError, TrainingStopped
-from ddptrain.rundir import (
+from ddptrain.launch.rundir import (
     RunLock,
     mark_job,
     new_run_id,
@@ -51,6 +54,21 @@ def make_run_dirs(config: TrainingConfig) -> None:
             ) from None
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """What one launch decided before its process group starts, each thing once: the
+    config, who this process is, its device, backend, precision, strategy, data and task."""
+
+    config: TrainingConfig
+    cluster: Any  # launch.cluster.ClusterEnv
+    device: Any  # torch.device
+    backend: str | None  # None: world size 1, no process group
+    precision: Any  # train.precision.Precision
+    strategy: Any  # parallel.resolve.StrategyChoice
+    data: Any  # data.bundle.DataBundle
+    task: Any  # train.tasks.Task
+
+
 def fit(
     config: TrainingConfig | None = None,
     *,
@@ -61,36 +79,47 @@ def fit(
     **fields: Any,
 ) -> dict[str, Any]:
     """Train on this rank and return the run's summary. `fields` override `config`."""
-    # Imported here so that `--help` and config errors answer without loading torch.
-    from ddptrain.data import bundle_datasets, load_data
-    from ddptrain.distributed import (
-        read_cluster_env,
-        resolve_backend,
-        resolve_device,
-        setup_distributed,
-        teardown_distributed,
-    )
-    from ddptrain.log import setup_logging
-    from ddptrain.precision import resolve_precision
+    run = resolve_run(_resolve_config(config, fields), datasets, task)
+    config = run.config
+    if config.dry_run:
+        if run.cluster.rank == 0:
+            _print_dry_run(run, model)
+        return {"dry_run": True}
+    finished = _finished_summary(config)
+    if finished is not None:
+        return finished
+    with claim_run_dir(run) as config:
+        return _run_in_group(dataclasses.replace(run, config=config), model, hooks)
 
-    config = _resolve_config(config, fields)
+
+def resolve_run(config: TrainingConfig, datasets: Any = None, task: Any = None) -> Resolved:
+    """Everything a user can get wrong, checked before the process group starts, so a
+    mistake ends the job at once instead of leaving peers waiting for a dead rank."""
+    # Imported here so that `--help` and config errors answer without loading torch.
+    from ddptrain.data.sources import bundle_datasets, load_data
+    from ddptrain.launch.cluster import read_cluster_env
+    from ddptrain.launch.process_group import resolve_backend, resolve_device
+    from ddptrain.log import setup_logging
+    from ddptrain.parallel.resolve import resolve_strategy
+    from ddptrain.train.precision import resolve_precision
+    from ddptrain.train.tasks import resolve_task
+
     cluster = read_cluster_env()
     setup_logging(cluster.rank)
     config = resolve_layout(config, cluster.world_size)
     config = _goes_on(config, cluster.rank)
     device = resolve_device(config, cluster.local_rank)
-    resolve_backend(config, device)
-    resolve_precision(config, device)
+    backend = resolve_backend(config, device) if cluster.world_size > 1 else None
+    precision = resolve_precision(config, device)
+    strategy = resolve_strategy(config, cluster.world_size, device)
     if config.tracker == "mlflow":
-        from ddptrain.trackers import require_mlflow
+        from ddptrain.observe.trackers import require_mlflow
 
         require_mlflow()
     if config.sync_bn and device.type == "cpu" and cluster.world_size > 1:
         raise ConfigError(
             "--sync_bn is invalid on CPU: SyncBatchNorm needs CUDA devices; drop the flag"
         )
-    # Everything a user can get wrong is checked before the process group starts, so a
-    # mistake ends the job at once instead of leaving peers waiting for a dead rank.
     if datasets is None:
         data = load_data(config)
     else:
@@ -101,51 +130,60 @@ def fit(
             f"--channels_last needs image data (N, C, H, W), and --dataset {config.dataset!r} "
             f"gives samples of shape {data.input_shape}: drop the flag"
         )
-    if config.dry_run:
-        if cluster.rank == 0:
-            _print_dry_run(config, data, cluster.world_size, device, model, task)
-        return {"dry_run": True}
-    finished = _finished_summary(config)
-    if finished is not None:
-        return finished
+    if not hasattr(task, "loss"):  # a built-in name, or None: the config's --task
+        task = resolve_task(config if task is None else _with_task(config, task), data.facts)
+    return Resolved(config, cluster, device, backend, precision, strategy, data, task)
+
+
+@contextlib.contextmanager
+def claim_run_dir(run: Resolved) -> Iterator[TrainingConfig]:
+    """Rank 0 refuses another run's directory, takes the directory's lock and writes
+    `config.yaml` with the run id; yields the config with its run id. On the way out the
+    curves drawing finishes before the lock goes, so a finished job's directory is whole."""
+    from ddptrain.config import dump_yaml
+
+    config, main = run.config, run.cluster.rank == 0
     lock = RunLock(config.run_dir)
-    if cluster.rank == 0:
+    if main:
         if config.resume_from is None:
             refuse_occupied(config)
         make_run_dirs(config)
         lock.acquire()
     try:
-        if cluster.rank == 0:
-            from ddptrain.config import dump_yaml
-
+        if main:
             config = _with_run_id(config)
             dump_yaml(config, config.run_dir / "config.yaml")
             log.info("run %s in %s", config.run_id, config.run_dir)
-        ctx = setup_distributed(config, cluster)
-        if ctx.is_main:  # every rank has read the directory's job by now
-            mark_job(config.run_dir)
-        clean = False
-        try:
-            summary = _fit(config, ctx, data, model, task, hooks)
-            clean = True
-        except TrainingStopped:
-            clean = True  # every rank stopped at the same agreed step
-            raise
-        finally:
-            teardown_distributed(clean)
+        yield config
     finally:
-        from ddptrain.plot import wait_for_drawings
+        from ddptrain.observe.plot import wait_for_drawings
 
         wait_for_drawings()  # curves.png, drawn while the group tore down: in before the lock goes
         lock.release()
+
+
+def _run_in_group(run: Resolved, model: Any, hooks: Sequence[Any]) -> dict[str, Any]:
+    """Start the process group, train, and tear it down whatever happens."""
+    from ddptrain.launch.process_group import setup_distributed, teardown_distributed
+
+    ctx = setup_distributed(run.config, run.cluster, run.device, run.backend)
+    if ctx.is_main:  # every rank has read the directory's job by now
+        mark_job(run.config.run_dir)
+    clean = False
+    try:
+        summary = _fit(run, ctx, model, hooks)
+        clean = True
+    except TrainingStopped:
+        clean = True  # every rank stopped at the same agreed step
+        raise
+    finally:
+        teardown_distributed(clean)
     return summary
 
 
 def _goes_on(config: TrainingConfig, rank: int) -> TrainingConfig:
     """A job that goes on (torchrun restarted its workers, or this node joined it) resumes
     from its newest checkpoint, whatever `--resume_from` said for the first attempt."""
-    import dataclasses
-
     source = resume_source(config.resume_from, config.run_dir)
     if source == config.resume_from:
         return config
@@ -157,8 +195,6 @@ def _goes_on(config: TrainingConfig, rank: int) -> TrainingConfig:
 
 def _with_run_id(config: TrainingConfig) -> TrainingConfig:
     """A fresh run gets a new id; a resumed one keeps the id its directory records."""
-    import dataclasses
-
     if config.resume_from is None:  # also when --config repeats a run
         return dataclasses.replace(config, run_id=new_run_id())
     run_id = saved_run_id(config.run_dir) or config.run_id or new_run_id()
@@ -171,7 +207,7 @@ def _finished_summary(config: TrainingConfig) -> dict[str, Any] | None:
 
     import torch
 
-    from ddptrain.checkpoint import find_resumable, load_checkpoint
+    from ddptrain.checkpoint.manager import find_resumable, load_checkpoint
 
     source = config.resume_from
     if source is None:
@@ -193,37 +229,29 @@ def _finished_summary(config: TrainingConfig) -> dict[str, Any] | None:
     return {"already_finished": True, "epochs": payload["epoch"], "steps": payload["step"]}
 
 
-def _print_dry_run(
-    config: TrainingConfig, data: Any, world_size: int, device: Any, model: Any, task: Any
-) -> None:
+def _print_dry_run(run: Resolved, model: Any) -> None:
     """The plan and the resolved config, from the same builders a real run uses."""
     import yaml
 
-    from ddptrain.distributed import resolve_backend
-    from ddptrain.models import create_model
-    from ddptrain.plan import format_plan, make_plan
-    from ddptrain.precision import resolve_precision
-    from ddptrain.tasks import head_size, resolve_task
+    from ddptrain.models.factory import create_model
+    from ddptrain.train.plan import format_plan, make_plan
+    from ddptrain.train.tasks import head_size
 
-    if not hasattr(task, "loss"):
-        task = resolve_task(config if task is None else _with_task(config, task), data.facts)
+    config, data, task = run.config, run.data, run.task
     if model is None:
-        model = create_model(config, data, head_size(task, data.facts), device)
+        model = create_model(config, data, head_size(task, data.facts), run.device)
     elif not _is_module(model):
         model = _call_model_factory(model, config, data, task)
     plan = make_plan(
-        config, data, world_size, str(device),
-        resolve_backend(config, device) if world_size > 1 else "none",
-        resolve_precision(config, device).describe(), task.name,
-        sum(p.numel() for p in model.parameters()),
+        config, data, run.cluster.world_size, str(run.device), run.backend or "none",
+        run.precision.describe(), task.name, sum(p.numel() for p in model.parameters()),
+        run.strategy,
     )
     print(f"{format_plan(plan, config)}\n\n# resolved config\n"
           + yaml.safe_dump(config.to_dict(), sort_keys=False), end="", flush=True)
 
 
 def _with_task(config: TrainingConfig, task: str) -> TrainingConfig:
-    import dataclasses
-
     return dataclasses.replace(config, task=task)
 
 
@@ -231,25 +259,22 @@ def _resolve_config(config: TrainingConfig | None, fields: dict[str, Any]) -> Tr
     if config is None:
         config = TrainingConfig(**fields)
     elif fields:
-        import dataclasses
-
-        config = dataclasses.replace(config, **fields)
+            config = dataclasses.replace(config, **fields)
     return config.validate()
 
 
-def _fit(
-    config: TrainingConfig, ctx: Any, data: Any, model: Any, task: Any, hooks: Sequence[Any]
-) -> dict[str, Any]:
+def _fit(run: Resolved, ctx: Any, model: Any, hooks: Sequence[Any]) -> dict[str, Any]:
     """Build and run the trainer. Its model, optimizer and loaders die with this frame,
     before the process group is destroyed (see `teardown_distributed`)."""
-    from ddptrain.tasks import resolve_task
-    from ddptrain.trainer import Trainer
+    from ddptrain.train.trainer import Trainer
 
-    if isinstance(task, str):
-        task = resolve_task(_with_task(config, task), data.facts)
     if model is not None and not _is_module(model):
-        model = _call_model_factory(model, config, data, task)
-    return Trainer(config, ctx, data, module=model, task=task, hooks=hooks).fit()
+        model = _call_model_factory(model, run.config, run.data, run.task)
+    trainer = Trainer(
+        run.config, ctx, run.data, module=model, task=run.task, hooks=hooks,
+        precision=run.precision, strategy=run.strategy,
+    )
+    return trainer.fit()
 
 
 def _is_module(obj: Any) -> bool:
@@ -261,8 +286,7 @@ def _is_module(obj: Any) -> bool:
 def _call_model_factory(factory: Callable[..., Any], config: TrainingConfig, data: Any,
                         task: Any) -> Any:
     from ddptrain.plugins import accepted
-    from ddptrain.tasks import head_size, resolve_task
+    from ddptrain.train.tasks import head_size
 
-    task = task or resolve_task(config, data.facts)
     facts = {**data.facts.as_kwargs(), "outputs": head_size(task, data.facts)}
     return factory(config, **accepted(factory, facts))

@@ -54,7 +54,7 @@ def _cmd_train(argv: list[str]) -> int:
     # torch and the trainer's modules are hundreds of thousands of objects that live as
     # long as the process: frozen, the cyclic collector never walks them again (each full
     # collection, such as the one before the process group is destroyed, saves ~0.1 s).
-    import ddptrain.trainer  # noqa: F401
+    import ddptrain.train.trainer  # noqa: F401
 
     gc.freeze()
     summary = train(config)
@@ -64,7 +64,7 @@ def _cmd_train(argv: list[str]) -> int:
 
 
 def _cmd_export(argv: list[str]) -> int:
-    from ddptrain.checkpoint import export_safetensors
+    from ddptrain.checkpoint.export import export_safetensors
 
     parser = ErrorParser(prog="ddptrain export", description="Export model weights to safetensors.")
     parser.add_argument(
@@ -78,7 +78,7 @@ def _cmd_export(argv: list[str]) -> int:
 
 
 def _cmd_plot(argv: list[str]) -> int:
-    from ddptrain.plot import plot_runs
+    from ddptrain.observe.plot import plot_runs
 
     parser = ErrorParser(
         prog="ddptrain plot",
@@ -94,7 +94,7 @@ def _cmd_plot(argv: list[str]) -> int:
 
 
 def _cmd_doctor(argv: list[str]) -> int:
-    from ddptrain.doctor import main as doctor_main
+    from ddptrain.launch.doctor import main as doctor_main
 
     return doctor_main(argv)
 

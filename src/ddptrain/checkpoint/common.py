@@ -1,0 +1,161 @@
+"""What both checkpoint backends share: the stamp, atomic files, agreeing on a write, and
+reading a file back weights-only.
+
+A file is written to a temporary name next to the target, fsynced and renamed into place
+(`ddptrain.files`), so a crash leaves either the old file or the new one, never a torn
+one. Every rank learns whether a write failed (`agree_on_write`), so all stop with the
+same line. The payload is plain tensors and containers: `torch.load(path,
+weights_only=True)` reads it, and a file that would need pickled code to load is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddptrain import __version__
+from ddptrain.checkpoint.schema import FORMAT, FORMAT_VERSION
+from ddptrain.context import DistributedContext
+from ddptrain.errors import EXIT_IO, ConfigError, TrainingStopped
+from ddptrain.files import staged
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be used; the message says which file and why."""
+
+
+class CheckpointWriteError(TrainingStopped):
+    """A checkpoint could not be written (disk full, quota, I/O error)."""
+
+    exit_code = EXIT_IO
+
+
+# ---------------------------------------------------------------------- writing
+def atomic_save(payload: dict[str, Any], path: Path, copies: tuple[Path, ...] = ()) -> None:
+    """Write `payload` to `path` so that readers see the old file or the whole new one.
+
+    `copies` (`latest.pt`, `best.pt`) are independent copies, each committed *before*
+    the step file gets its own name: a crash in between leaves `latest.pt` holding the
+    newest state, never pointing behind it, and damage to one file never reaches another.
+    """
+    # Serialized in memory first: torch's zip writer reports a full disk as a RuntimeError
+    # about file positions, a plain write as the OSError (ENOSPC, EDQUOT) it is.
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    with staged(path) as tmp:
+        with tmp.open("wb") as f:
+            f.write(buffer.getbuffer())
+        del buffer
+        for copy in copies:
+            with staged(copy) as other:
+                shutil.copyfile(tmp, other)
+
+
+def stamped(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with what wrote it: the format, its version, the library versions."""
+    versions = {
+        "ddptrain": __version__, "torch": str(torch.__version__),
+        "python": sys.version.split()[0],
+    }
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, **state, "versions": versions}
+
+
+def agree_on_write(
+    failure: BaseException | None, path: Path, directory: Path, ctx: DistributedContext,
+    who: str = "rank 0",
+) -> None:
+    """Collective (also the barrier after a write): every rank learns whether any rank's
+    write failed, and all stop with the same line naming the path and the errno."""
+    code = 0
+    if failure is not None:
+        code = (getattr(failure, "errno", None) or -1) if isinstance(failure, OSError) else -1
+    if ctx.distributed:
+        status = torch.tensor([float(code)], device=ctx.device)  # NCCL reduces on the GPU
+        dist.all_reduce(status, op=dist.ReduceOp.MAX)  # also the barrier: none reads ahead
+        code = int(status.item())
+    if not code:
+        return
+    if code > 0:
+        reason = f"{os.strerror(code)} (errno {code})"
+    elif failure is not None and not isinstance(failure, OSError):
+        reason = _first_line(failure)
+    else:
+        reason = "an OS error"
+    name = getattr(failure, "filename", None) if failure is not None else None
+    where = repr(str(name or path))
+    raise CheckpointWriteError(
+        f"{who} could not write the checkpoint {where}: {reason}; the "
+        f"previous checkpoint in {directory} is intact: free space or give another "
+        "--checkpoint_dir, then resume with --resume_from auto"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def read_payload(path: Path, device: torch.device) -> dict[str, Any]:
+    """Read a checkpoint file written by ddptrain onto `device` (not onto GPU 0), weights
+    only: a file that would need pickled code to load is refused."""
+    try:
+        payload = torch.load(path, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist") from None
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+            reason = "it holds pickled Python objects, which are refused (they could run code)"
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} cannot be read: {reason}; "
+            "give a file written by ddptrain (or --resume_from auto)"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is not a ddptrain checkpoint: "
+            "give a file written by ddptrain"
+        )
+    if payload.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has format version {payload['format_version']}, newer "
+            f"than this ddptrain reads ({FORMAT_VERSION}): upgrade ddptrain"
+        )
+    return payload
+
+
+def check_model_state(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse weights that do not fit `model` strictly, naming every missing, unexpected
+    or mis-shaped entry."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(state))
+        if state[k].shape != own[k].shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {_few(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {_few(unexpected)}")
+    if shapes:
+        problems.append(f"shape mismatch (checkpoint vs model) {_few(shapes)}")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not fit this model: {'; '.join(problems)}; "
+            "resume with the same --model, --width and dataset it was trained with"
+        )
+
+
+def _few(items: list[str], n: int = 4) -> str:
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more

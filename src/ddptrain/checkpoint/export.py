@@ -1,0 +1,51 @@
+"""Whole-model weights for inference: `model.safetensors` with the model's own parameter
+names, tied weights stored once (`ddptrain export`, and the end of every run).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ddptrain.checkpoint.manager import load_checkpoint
+from ddptrain.files import staged
+
+
+def export_safetensors_state(state: dict[str, torch.Tensor], out: Path) -> int:
+    """Write model weights to a safetensors file atomically; returns the tensor count.
+
+    Tied weights (one tensor under two names, like a language model's embedding and
+    output head) are stored once, under the name safetensors' own helper keeps; load the
+    file with `safetensors.torch.load_model(model, path)`, which restores the tie, or with
+    `model.load_state_dict(load_file(path), strict=False)`.
+    """
+    from safetensors.torch import _remove_duplicate_names, save_file
+
+    # A tensor that is a view into a bigger buffer (FSDP's gathered state) is copied out:
+    # safetensors stores whole storages only.
+    owned: dict[int, torch.Tensor] = {}  # one copy per tensor: tied names stay tied
+    weights = {k: owned.setdefault(id(v), _own_storage(v.detach())) for k, v in state.items()}
+    shared = _remove_duplicate_names(weights)  # {kept name: [aliases of the same tensor]}
+    aliases = {alias: name for name, names in shared.items() for alias in names}
+    tensors = {k: v.cpu().contiguous() for k, v in weights.items() if k not in aliases}
+    metadata = {"format": "pt", **{f"tied:{a}": n for a, n in aliases.items()}}
+    with staged(out) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+    return len(tensors)
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+def export_safetensors(checkpoint: Path, out: Path) -> int:
+    """`ddptrain export`: the whole model of a checkpoint (a `.pt` file or a DCP step
+    directory of any world size), for inference."""
+    if checkpoint.is_dir():
+        from ddptrain.checkpoint.dcp import model_state_from_dir
+
+        load_checkpoint(checkpoint, torch.device("cpu"))  # whole, and written by ddptrain
+        return export_safetensors_state(model_state_from_dir(checkpoint), out)
+    payload = load_checkpoint(checkpoint, torch.device("cpu"))
+    return export_safetensors_state(payload["model_state_dict"], out)

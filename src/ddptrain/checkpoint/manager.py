@@ -1,0 +1,165 @@
+"""Where a resume starts and how a checkpoint of either kind is read.
+
+`find_resumable` picks the furthest whole checkpoint of a directory (`latest.pt`, step
+files, DCP step directories), skipping damaged ones with a warning; `locate_resume` lets
+rank 0 decide for every rank; `Checkpointer` is the one interface the trainer uses to
+save, wait for and load a checkpoint, whichever backend writes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddptrain.checkpoint.common import CheckpointError, check_model_state, read_payload
+from ddptrain.checkpoint.dcp import ShardedCheckpointer, list_step_dirs, load_sharded, read_meta
+from ddptrain.checkpoint.pt import LATEST, list_checkpoints, save_checkpoint
+from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext
+
+if TYPE_CHECKING:
+    from ddptrain.parallel.base import Strategy
+
+log = logging.getLogger("ddptrain")
+
+
+def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
+    """Read a ddptrain checkpoint onto `device`, or say why it can't be. For a DCP step
+    directory that is its `meta.pt`: everything but the sharded weights and optimizer
+    state, which `Checkpointer.load` reads into the model's shards."""
+    return read_meta(path, device) if path.is_dir() else read_payload(path, device)
+
+
+def find_resumable(directory: Path, device: torch.device) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in `directory` that loads: `latest.pt`, the newest whole step
+    file or the newest whole DCP step directory, whichever is furthest on. Corrupt ones
+    are skipped with a warning. None when there is none (a fresh start)."""
+    best: tuple[Path, dict[str, Any]] | None = None
+    kinds = ([directory / LATEST], list_checkpoints(directory), list_step_dirs(directory))
+    for candidates in kinds:
+        for path in candidates:
+            if not path.exists():
+                continue
+            named = re.search(r"step_(\d+)", path.name)
+            if best is not None and named and int(named.group(1)) <= best[1]["step"]:
+                break  # not further on than one already read: no need to load it
+            try:
+                payload = load_checkpoint(path, device)
+            except CheckpointError as exc:
+                log.warning("skipping unusable checkpoint: %s", exc)
+                continue
+            if best is None or payload["step"] > best[1]["step"]:
+                best = (path, payload)
+            break  # newest first: the first whole one is the newest of its kind
+    return best
+
+
+def locate_resume(
+    source: str | None, directory: Path, ctx: DistributedContext
+) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint a run resumes from (`--resume_from PATH | auto`), or None.
+
+    Collective: rank 0 decides and every rank loads what it chose, so ranks that see the
+    job differently (a node that joined an elastic job, a checkpoint written meanwhile)
+    never start from different states; an unusable checkpoint is the same error on all."""
+    choice: list[Any] = [None, None]
+    found: tuple[Path, dict[str, Any]] | None = None
+    if ctx.is_main:
+        try:
+            found = _locate(source, directory, ctx.device)
+            choice[0] = str(found[0]) if found else None
+        except CheckpointError as exc:
+            choice[1] = str(exc)
+    if ctx.distributed:
+        dist.broadcast_object_list(choice, src=0)
+    if choice[1] is not None:
+        raise CheckpointError(choice[1])
+    if not ctx.is_main and choice[0] is not None:
+        found = Path(choice[0]), load_checkpoint(Path(choice[0]), ctx.device)
+    return found
+
+
+def _locate(
+    source: str | None, directory: Path, device: torch.device
+) -> tuple[Path, dict[str, Any]] | None:
+    if source is None:
+        return None
+    if source != "auto":
+        return Path(source), load_checkpoint(Path(source), device)
+    found = find_resumable(directory, device)
+    if found is None:
+        log.info("no checkpoint in %s: starting fresh", directory)
+    return found
+
+
+class Checkpointer:
+    """The one checkpoint interface of a run: save, wait for a save in flight, find where
+    a resume starts, load it. Collective, every method. Behind it a `.pt` file (rank 0
+    writes the whole state, `checkpoint.pt`) or a DCP step directory (every rank writes its
+    shard, `checkpoint.dcp`), by the strategy's checkpoint kind; a resume reads either."""
+
+    def __init__(
+        self, config: TrainingConfig, ctx: DistributedContext, strategy: Strategy, kind: str
+    ) -> None:
+        self.directory, self.ctx, self.strategy = config.ckpt_dir, ctx, strategy
+        self.keep_last = config.keep_last
+        self.sharded = (
+            ShardedCheckpointer(config.ckpt_dir, ctx, config.keep_last, config.async_checkpoint)
+            if kind == "dcp" else None
+        )
+
+    @property
+    def background(self) -> bool:
+        """Whether saves are written while training goes on."""
+        return self.sharded is not None and self.sharded.background
+
+    @property
+    def blocking_s(self) -> list[float]:
+        """How long each save held training up (DCP saves)."""
+        return self.sharded.blocking_s if self.sharded is not None else []
+
+    def save(
+        self, step: int, meta: dict[str, Any], module: nn.Module,
+        optimizer: torch.optim.Optimizer, best: bool = False,
+    ) -> Path:
+        """Write `meta` (progress, RNG, schedule: plain values) with the model's and the
+        optimizer's state; returns the checkpoint's path."""
+        if self.sharded is not None:
+            model, optim = self.strategy.sharded_state(module, optimizer)
+            return self.sharded.save(step, meta, {"model": model, "optim": optim}, best)
+        model, optim = self.strategy.full_state(module, optimizer)
+        state = {**meta, "model_state_dict": model, "optimizer_state_dict": optim}
+        return save_checkpoint(self.directory, step, state, self.ctx, self.keep_last, best=best)
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any."""
+        if self.sharded is not None:
+            self.sharded.wait()
+
+    def locate(self, source: str | None) -> tuple[Path, dict[str, Any]] | None:
+        """The checkpoint `--resume_from` names (a path, or `auto`), as rank 0 chose it."""
+        return locate_resume(source, self.directory, self.ctx)
+
+    def load(
+        self, path: Path, payload: dict[str, Any], module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        """Load a located checkpoint's weights and optimizer state, whichever strategy and
+        world size wrote it: DCP reshards a step directory, a whole state is loaded as it is."""
+        if path.is_dir():
+            model, optim = self.strategy.sharded_state(module, optimizer)
+            state = {"model": model, "optim": optim}
+            load_sharded(path, state)
+            self.strategy.load_state(module, optimizer, state["model"], state["optim"], full=False)
+            return
+        check_model_state(module, payload["model_state_dict"], path)
+        self.strategy.load_state(
+            module, optimizer, payload["model_state_dict"], payload["optimizer_state_dict"],
+            full=True,
+        )

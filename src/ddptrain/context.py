@@ -1,0 +1,41 @@
+"""Who this process is in the job: the frozen context every part of a run receives.
+
+`ddptrain.launch.process_group.setup_distributed` builds it once, after the device is
+pinned and the process group is up; nothing reads distributed state from globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Immutable snapshot of this process's distributed identity."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None = None  # None: world size 1, no process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def gather_to_main(value: Any, ctx: DistributedContext) -> list[Any] | None:
+    """Every rank's `value` (plain data, CPU tensors), as a list on rank 0; None elsewhere."""
+    if not ctx.distributed:
+        return [value]
+    out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(value, out, dst=0)
+    return out

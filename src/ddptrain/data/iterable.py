@@ -1,0 +1,151 @@
+"""Iterable datasets: sharded over rank x DataLoader worker so every sample is seen once
+per epoch, and ranks that agree before each micro-batch that every one has another.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import (
+    DataLoader,
+    IterableDataset,
+    get_worker_info,
+)
+
+from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext
+from ddptrain.data.batch import num_samples, split
+from ddptrain.data.epoch import Micro, steps_per_epoch
+from ddptrain.data.loader import make_loader
+from ddptrain.errors import ConfigError
+
+log = logging.getLogger("ddptrain")
+
+
+# ---------------------------------------------------------------------- iterable data
+class RankShard(IterableDataset):
+    """Every (world_size x workers)-th item of an iterable dataset, for one (rank, worker):
+    every item lands on exactly one of them."""
+
+    def __init__(self, dataset: IterableDataset, world_size: int, rank: int) -> None:
+        self.dataset, self.world_size, self.rank = dataset, world_size, rank
+        self.consumed = 0  # items of the underlying stream read in this epoch
+        self._start = 0  # where the next iteration starts (a resume)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        workers, wid = (info.num_workers, info.id) if info else (1, 0)
+        stride = self.world_size * workers
+        offset = self.rank * workers + wid
+        start, self._start = self._start, 0
+        self.consumed = start
+        for i, item in enumerate(self.dataset, start=start):
+            self.consumed = i + 1
+            if i % stride == offset:
+                yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self.consumed, "dataset": self.dataset.state_dict()}  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state["dataset"])  # type: ignore[attr-defined]
+        self._start = int(state["consumed"])
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+
+class IterableBatches:
+    """An iterable dataset's batches on this rank. Ranks agree before each micro-batch on
+    whether every rank has one more (one small all-reduce), so all run the same steps: the
+    shortest shard decides, and what the others hold beyond it is counted as dropped."""
+
+    def __init__(
+        self, dataset: IterableDataset, config: TrainingConfig, ctx: DistributedContext
+    ) -> None:
+        self.loader = make_iterable_loader(dataset, config, ctx)
+        self.shard: RankShard = self.loader.dataset  # type: ignore[assignment]
+        self.ctx, self.accum = ctx, config.grad_accum_steps
+        self._flag = torch.zeros(1, device=ctx.device)
+        # Exact mid-epoch resume needs the dataset's own position, read in this process.
+        self.stateful = config.num_workers == 0 and all(
+            hasattr(dataset, name) for name in ("state_dict", "load_state_dict")
+        )
+        self.state: dict[str, Any] | None = None  # after the last batch handed out
+        self._resumed = False
+        try:
+            n = len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            n = 0
+        if not n and config.warmup_epochs:
+            raise ConfigError(
+                f"--warmup_epochs {config.warmup_epochs} needs the length of an epoch, and "
+                f"--dataset {config.dataset!r} is an IterableDataset without __len__: give "
+                "it __len__ (its number of samples) or drop the flag"
+            )
+        if not n:
+            log.warning("IterableDataset without __len__: the learning rate stays at --lr")
+        self.steps_per_epoch = steps_per_epoch(
+            n, ctx.world_size, config.batch_size, config.grad_accum_steps, config.drop_last
+        )
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the interrupted epoch where this rank's shard stood."""
+        self.shard.load_state_dict(state)
+        self._resumed = True
+
+    def _pull(self, it: Iterator[Any]) -> tuple[Any, bool, float, Any]:
+        t0 = time.perf_counter()
+        batch = next(it, None)
+        state = self.shard.state_dict() if self.stateful else None  # right after this batch
+        self._flag.fill_(0.0 if batch is None else 1.0)
+        if self.ctx.distributed:
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MIN)
+        return batch, bool(self._flag.item()), time.perf_counter() - t0, state
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[Any, Micro, float]]:
+        """(batch, its place, seconds waited) for each micro-batch of the epoch. The
+        position counts micro-batches; `start` > 0 continues a resumed epoch."""
+        if not self._resumed:
+            start = 0
+            self.shard.set_epoch(epoch)
+        self._resumed = False
+        it = iter(self.loader)
+        batch, ok, waited, state = self._pull(it)
+        i = start
+        while ok:
+            nxt, more, wait_next, state_next = self._pull(it)  # one ahead: the last one?
+            micro = Micro(0, 0, False, 0, 0, not more or (i + 1) % self.accum == 0, i + 1)
+            self.state = state
+            yield batch, micro, waited
+            batch, ok, waited, state, i = nxt, more, wait_next, state_next, i + 1
+        self.state = None
+        self._count_dropped(epoch, [batch] if batch is not None else [], it)
+
+    def _count_dropped(self, epoch: int, held: list[Any], it: Iterator[Any]) -> None:
+        left = sum(num_samples(*split(b)) for b in [*held, *it])
+        total = torch.tensor([float(left)], device=self.ctx.device)
+        if self.ctx.distributed:
+            dist.all_reduce(total)
+        if total.item():
+            log.info(
+                "epoch %d: %d samples of the longer shards dropped so that every rank ran "
+                "the same number of steps", epoch, int(total.item()),
+            )
+
+
+def make_iterable_loader(
+    dataset: IterableDataset, config: TrainingConfig, ctx: DistributedContext,
+    batch_size: int | None = None,
+) -> DataLoader:
+    shard = RankShard(dataset, ctx.world_size, ctx.rank)
+    return make_loader(shard, config, ctx, batch_size=batch_size or config.batch_size)

@@ -1,0 +1,292 @@
+"""Datasets, and how each epoch's samples are laid out over ranks and micro-batches.
+
+Built in (no download): `breast_cancer` (30 features, 2 classes, seed 004's classifier),
+`digits` (1x8x8 images, 10 classes), `diabetes` (10 features, a float target: regression),
+`synthetic` (3x32x32 images for throughput work) and `chars` (a character-level corpus for
+`--model gpt`, see `ddptrain.text`). Users bring `path/to/data.npz` (arrays `x`, `y`),
+`path/to/x.npy` with `y.npy` beside it (memory-mapped, never loaded whole), or
+`package.module:fn` returning `(train, val)`, or one dataset that `--val_fraction` splits;
+a map-style `Dataset` or an `IterableDataset`.
+
+The layout of an epoch (map-style data) is a function of (seed, epoch) and the global
+micro-batch alone: the epoch's order is a seeded permutation, cut into consecutive global
+micro-batches of `world_size x batch_size` samples, and each one is split across the ranks
+as evenly as it goes: no sample is repeated to pad a shard, and the last global batch of
+an epoch may give a rank fewer samples, or none. So N ranks x batch B see exactly the
+samples of 1 rank x batch N*B, and a position in the epoch is a count of global samples.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import (
+    Dataset,
+    IterableDataset,
+    Subset,
+)
+
+from ddptrain.config import TrainingConfig, npy_targets
+from ddptrain.data.arrays import ArrayDataset, MemmapDataset, as_targets
+from ddptrain.data.batch import first_tensor, split
+from ddptrain.data.bundle import DataBundle, DataFacts
+from ddptrain.errors import ConfigError
+from ddptrain.plugins import call_factory
+
+
+# ---------------------------------------------------------------------- built-in data
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A train/val split fixed by the seed alone (never by rank or world size)."""
+    perm = np.random.default_rng(seed).permutation(n)
+    n_val = max(1, round(n * val_fraction))
+    if n_val >= n:
+        raise ConfigError(
+            f"--val_fraction {val_fraction} leaves no training samples out of {n}: lower it"
+        )
+    return perm[n_val:], perm[:n_val]
+
+
+def val_fraction(config: TrainingConfig) -> float:
+    return 0.2 if config.val_fraction is None else config.val_fraction
+
+
+def _standardize(a: np.ndarray, train_idx: np.ndarray) -> np.ndarray:
+    """Statistics of the training split only: no leak from validation."""
+    return (a - a[train_idx].mean(axis=0)) / (a[train_idx].std(axis=0) + 1e-6)
+
+
+def _bundle(
+    x: np.ndarray, y: np.ndarray, config: TrainingConfig, standardize: bool = False
+) -> DataBundle:
+    _check_targets(y, config.dataset)
+    train_idx, val_idx = split_indices(len(y), val_fraction(config), config.seed)
+    x = x.astype(np.float32)
+    y = as_targets(y)
+    if standardize:
+        x = _standardize(x, train_idx).astype(np.float32)
+    xt, yt = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
+    train = ArrayDataset(xt[train_idx], yt[train_idx])
+    val = ArrayDataset(xt[val_idx], yt[val_idx])
+    return DataBundle(train, val, _array_facts(x.shape[1:], y, config))
+
+
+def _array_facts(input_shape: tuple[int, ...], y: np.ndarray, config: TrainingConfig) -> DataFacts:
+    is_float = not np.issubdtype(y.dtype, np.integer)
+    num_classes = None
+    if not is_float and y.ndim == 1:
+        num_classes = _num_classes(int(y.min()), int(y.max()), config)
+    return DataFacts(tuple(input_shape), tuple(y.shape[1:]), is_float, num_classes)
+
+
+def _check_targets(y: np.ndarray, source: str) -> None:
+    if len(y) == 0:
+        raise ConfigError(f"--dataset {source!r} holds no samples")
+    if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
+        raise ConfigError(f"--dataset {source!r}: y must be numeric, got {y.dtype}")
+
+
+def _num_classes(lo: int, hi: int, config: TrainingConfig) -> int:
+    num_classes = config.num_classes or max(hi + 1, 2)
+    if lo < 0 or hi >= num_classes:
+        raise ConfigError(
+            f"--dataset {config.dataset!r} has labels in {lo}..{hi} but --num_classes is "
+            f"{num_classes}: labels must be in 0..{num_classes - 1}; raise --num_classes or "
+            "fix the labels"
+        )
+    return num_classes
+
+
+def _breast_cancer(config: TrainingConfig) -> DataBundle:
+    from sklearn.datasets import load_breast_cancer
+
+    data = load_breast_cancer()
+    return _bundle(data.data, data.target, config, standardize=True)
+
+
+def _digits(config: TrainingConfig) -> DataBundle:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = (data.images[:, None, :, :] / 16.0 - 0.5) / 0.5  # 0..16 pixel values to [-1, 1]
+    return _bundle(x, data.target, config)
+
+
+def _diabetes(config: TrainingConfig) -> DataBundle:
+    """442 patients, 10 features, disease progression after a year (a float). The target
+    is standardized with the training split's statistics, so MSE is in units of its
+    variance (and r2 = 1 - MSE on the training split's scale)."""
+    from sklearn.datasets import load_diabetes
+
+    data = load_diabetes()
+    train_idx, _ = split_indices(len(data.target), val_fraction(config), config.seed)
+    y = _standardize(data.target.astype(np.float64), train_idx).astype(np.float32)
+    return _bundle(data.data, y, config, standardize=True)
+
+
+def _synthetic(config: TrainingConfig) -> DataBundle:
+    """Images with a learnable class signal: a per-class template under uniform noise.
+
+    Stored as uint8 (150 MB for 50,000 3x32x32 samples instead of 600 MB of float32) and
+    converted per batch.
+    """
+    n = config.synthetic_size
+    classes = config.num_classes or 10
+    channels = config.in_channels or 3
+    side = config.image_size or 32
+    rng = np.random.default_rng(config.seed)
+    templates = rng.integers(0, 256, size=(classes, channels, side, side), dtype=np.uint8)
+    y = rng.integers(0, classes, size=n).astype(np.int64)
+    x = rng.integers(0, 256, size=(n, channels, side, side), dtype=np.uint8)
+    for start in range(0, n, 4096):  # blend in chunks to bound the float temporaries
+        sl = slice(start, start + 4096)
+        x[sl] = (0.5 * x[sl] + 0.5 * templates[y[sl]]).astype(np.uint8)
+    train_idx, val_idx = split_indices(n, val_fraction(config), config.seed)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    scale = 1.0 / 255.0
+    train = ArrayDataset(xt[train_idx], yt[train_idx], scale=scale)
+    val = ArrayDataset(xt[val_idx], yt[val_idx], scale=scale)
+    return DataBundle(train, val, DataFacts((channels, side, side), (), False, classes))
+
+
+def _chars(config: TrainingConfig) -> DataBundle:
+    from ddptrain.data.text import char_lm_datasets
+
+    train, val, vocab, _ = char_lm_datasets(config.block_size, val_fraction(config), config.seed)
+    train, val = ArrayDataset(train.x, train.y), ArrayDataset(val.x, val.y)
+    facts = DataFacts((config.block_size,), (config.block_size,), False, vocab_size=vocab)
+    return DataBundle(train, val, facts)
+
+
+def _npz(config: TrainingConfig) -> DataBundle:
+    path = Path(config.dataset)
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            missing = [k for k in ("x", "y") if k not in archive.files]
+            if missing:
+                raise ConfigError(
+                    f"--dataset {str(path)!r} lacks array(s) {', '.join(missing)}: "
+                    f"it has {archive.files}; save it with np.savez(path, x=..., y=...)"
+                )
+            x, y = archive["x"], archive["y"]
+    except ConfigError:
+        raise
+    except Exception as exc:  # zipfile/pickle/format errors all mean the same to a user
+        raise ConfigError(
+            f"--dataset {str(path)!r} is not a readable .npz file ({type(exc).__name__}): "
+            "save it with np.savez(path, x=..., y=...)"
+        ) from None
+    _check_arrays(x, y, str(path))
+    if x.ndim == 3:
+        x = x[:, None]
+    return _bundle(x, y, config)
+
+
+def _check_arrays(x: np.ndarray, y: np.ndarray, source: str) -> None:
+    if not (np.issubdtype(x.dtype, np.number) and x.ndim in (2, 3, 4)):
+        raise ConfigError(
+            f"--dataset {source!r}: x must be numeric with shape (N, F), (N, H, W) or "
+            f"(N, C, H, W); got {x.dtype} {x.shape}"
+        )
+    if len(x) != len(y):
+        raise ConfigError(f"--dataset {source!r}: x has {len(x)} samples but y has {len(y)}")
+    _check_targets(y, source)
+
+
+def _npy(config: TrainingConfig) -> DataBundle:
+    """`x.npy` + `y.npy`, memory-mapped: batches read their rows from the page cache, so
+    a file larger than memory trains."""
+    xpath = Path(config.dataset)
+    try:
+        x = np.load(xpath, mmap_mode="r", allow_pickle=False)
+        y = np.load(npy_targets(xpath), mmap_mode="r", allow_pickle=False)
+    except Exception as exc:
+        raise ConfigError(
+            f"--dataset {str(xpath)!r} is not a readable .npy pair ({type(exc).__name__}): "
+            "save them with np.save('x.npy', x) and np.save('y.npy', y)"
+        ) from None
+    _check_arrays(x, y, str(xpath))
+    if x.ndim == 3:
+        raise ConfigError(f"--dataset {str(xpath)!r}: save (N, H, W) images as (N, 1, H, W)")
+    train_idx, val_idx = split_indices(len(y), val_fraction(config), config.seed)
+    y_mem = np.asarray(y)  # targets are small next to inputs: read them once
+    facts = _array_facts(x.shape[1:], y_mem, config)
+    return DataBundle(
+        MemmapDataset(x, y_mem, train_idx), MemmapDataset(x, y_mem, val_idx), facts
+    )
+
+
+def _user_datasets(config: TrainingConfig) -> DataBundle:
+    made = call_factory(config.dataset, "dataset", config, config.dataset_args, {})
+    return bundle_datasets(made, config)
+
+
+def bundle_datasets(made: Any, config: TrainingConfig) -> DataBundle:
+    """A user's `(train, val)` pair, or one dataset that `--val_fraction` splits."""
+    if isinstance(made, (tuple, list)) and len(made) == 2:
+        if config.val_fraction is not None:
+            raise ConfigError(
+                f"--val_fraction {config.val_fraction} cannot apply: --dataset "
+                f"{config.dataset!r} returns its own validation set; drop the flag, or "
+                "return one dataset for ddptrain to split"
+            )
+        train, val = made
+    elif isinstance(made, Dataset):
+        if isinstance(made, IterableDataset):
+            raise ConfigError(
+                f"--dataset {config.dataset!r} returned one IterableDataset, which cannot be "
+                "split: return (train, val)"
+            )
+        train_idx, val_idx = split_indices(len(made), val_fraction(config), config.seed)  # type: ignore[arg-type]
+        train, val = Subset(made, train_idx.tolist()), Subset(made, val_idx.tolist())
+    else:
+        raise ConfigError(
+            f"--dataset {config.dataset!r} gave {type(made).__name__}: give "
+            "(train_dataset, val_dataset) or one map-style Dataset"
+        )
+    return DataBundle(train, val, _probe(train, config))
+
+
+def _attr(dataset: Any, name: str) -> Any:
+    while dataset is not None:
+        if getattr(dataset, name, None) is not None:
+            return getattr(dataset, name)
+        dataset = getattr(dataset, "dataset", None)  # through Subset and friends
+    return None
+
+
+def _probe(train: Dataset, config: TrainingConfig) -> DataFacts:
+    """Read the facts a task and a model need from the first training sample."""
+    try:
+        sample = next(iter(train)) if isinstance(train, IterableDataset) else train[0]
+    except (IndexError, StopIteration):
+        raise ConfigError(f"--dataset {config.dataset!r} holds no training samples") from None
+    dict_batches = isinstance(sample, dict)
+    inputs, target = split(sample)
+    x = first_tensor(inputs) if not isinstance(inputs, (np.ndarray, int, float)) else inputs
+    input_shape = () if dict_batches or x is None else tuple(torch.as_tensor(x).shape)
+    num_classes = config.num_classes or _attr(train, "num_classes")
+    if target is None:
+        return DataFacts(input_shape, None, False, num_classes, _attr(train, "vocab_size"), True)
+    t = torch.as_tensor(target)
+    return DataFacts(
+        input_shape, tuple(t.shape), t.is_floating_point(),
+        int(num_classes) if num_classes is not None else None,
+        _attr(train, "vocab_size"), dict_batches,
+    )
+
+
+def load_data(config: TrainingConfig) -> DataBundle:
+    builders = {
+        "breast_cancer": _breast_cancer, "digits": _digits, "diabetes": _diabetes,
+        "synthetic": _synthetic, "chars": _chars,
+    }
+    if config.dataset in builders:
+        return builders[config.dataset](config)
+    if config.dataset.endswith(".npz"):
+        return _npz(config)
+    if config.dataset.endswith(".npy"):
+        return _npy(config)
+    return _user_datasets(config)

@@ -1,0 +1,100 @@
+"""This rank's training batches of a map-style dataset, epoch by epoch, in the planned
+layout (`ddptrain.data.epoch`): sliced in-process for in-memory arrays, else a DataLoader
+over the plan's index lists.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    Dataset,
+    IterableDataset,
+)
+
+from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext
+from ddptrain.data.arrays import ArrayDataset, as_sliceable
+from ddptrain.data.epoch import Micro, epoch_order, plan_epoch, steps_per_epoch
+from ddptrain.data.iterable import IterableBatches
+from ddptrain.data.loader import make_loader
+from ddptrain.errors import ConfigError
+
+
+class PlanSampler(torch.utils.data.Sampler[list[int]]):
+    """Yields the index lists of the current epoch's plan (for a DataLoader)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class TrainBatches:
+    """The training batches of this rank, epoch by epoch, in the planned layout."""
+
+    def __init__(self, dataset: Dataset, config: TrainingConfig, ctx: DistributedContext):
+        self.dataset, self.config, self.ctx = dataset, config, ctx
+        self.n = len(dataset)  # type: ignore[arg-type]
+        if config.drop_last and self.n < ctx.world_size * config.batch_size:
+            raise ConfigError(
+                f"--drop_last with --batch_size {config.batch_size} on {ctx.world_size} "
+                f"rank(s) drops all {self.n} training samples: lower --batch_size"
+            )
+        self.steps_per_epoch = steps_per_epoch(
+            self.n, ctx.world_size, config.batch_size, config.grad_accum_steps, config.drop_last
+        )
+        # A TensorDataset is sliced a batch at a time, in this process or in each worker,
+        # instead of collated sample by sample.
+        dataset = self.dataset = as_sliceable(dataset)
+        self.in_process = isinstance(dataset, ArrayDataset) and config.num_workers == 0
+        self.sampler = PlanSampler()
+        self.loader = None if self.in_process else make_loader(
+            dataset, config, ctx, batch_sampler=self.sampler
+        )
+
+    def plan(self, epoch: int, start: int) -> tuple[torch.Tensor, list[Micro]]:
+        cfg, ctx = self.config, self.ctx
+        plan = plan_epoch(
+            self.n, ctx.world_size, ctx.rank, cfg.batch_size, cfg.grad_accum_steps,
+            cfg.drop_last, start,
+        )
+        return epoch_order(self.n, cfg.seed, epoch), plan
+
+    stateful = False  # the position in the plan is all a resume needs
+
+    def state_dict(self) -> None:
+        return None
+
+    def epoch(self, epoch: int, start: int) -> Iterator[tuple[Any, Micro, float]]:
+        """(batch, its place in the plan, seconds waited for it) from position `start`."""
+        order, plan = self.plan(epoch, start)
+        it = self.batches(order, plan)
+        for micro in plan:
+            t0 = time.perf_counter()
+            batch = next(it)
+            yield batch, micro, time.perf_counter() - t0
+
+    def batches(self, order: torch.Tensor, plan: list[Micro]) -> Iterator[Any]:
+        if self.in_process:
+            dataset: ArrayDataset = self.dataset  # type: ignore[assignment]
+            for m in plan:
+                yield dataset.batch(order[m.lo : m.hi])
+            return
+        self.sampler.batches = [order[m.lo : m.hi].tolist() for m in plan]
+        yield from self.loader  # type: ignore[union-attr]
+
+
+def make_train_batches(
+    dataset: Dataset, config: TrainingConfig, ctx: DistributedContext
+) -> TrainBatches | IterableBatches:
+    if isinstance(dataset, IterableDataset):
+        return IterableBatches(dataset, config, ctx)
+    return TrainBatches(dataset, config, ctx)

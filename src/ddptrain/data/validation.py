@@ -1,0 +1,60 @@
+"""Evaluation batches: rank r takes samples r, r+N, ... with no padding, so every
+validation sample counts once on any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import (
+    Dataset,
+    IterableDataset,
+)
+
+from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext
+from ddptrain.data.arrays import ArrayDataset, as_sliceable
+from ddptrain.data.iterable import make_iterable_loader
+from ddptrain.data.loader import make_loader
+
+
+# ---------------------------------------------------------------------- validation
+class ShardSampler(torch.utils.data.Sampler[int]):
+    """Evaluation shard: rank r takes samples r, r+N, ... with no padding.
+
+    DistributedSampler pads the last round with repeated samples, which would count them
+    twice in validation metrics; shards here may differ in length by one instead.
+    """
+
+    def __init__(self, n: int, ctx: DistributedContext) -> None:
+        self.indices = range(ctx.rank, n, ctx.world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def make_val_loader(dataset: Dataset, config: TrainingConfig, ctx: DistributedContext) -> Any:
+    if isinstance(dataset, IterableDataset):
+        return make_iterable_loader(dataset, config, ctx)
+    indices = torch.arange(ctx.rank, len(dataset), ctx.world_size)  # type: ignore[arg-type]
+    dataset = as_sliceable(dataset)
+    if isinstance(dataset, ArrayDataset) and config.num_workers == 0:
+        return _ArrayBatches(dataset, indices, config.batch_size)
+    return make_loader(dataset, config, ctx, batch_size=config.batch_size,
+                       sampler=ShardSampler(len(dataset), ctx))  # type: ignore[arg-type]
+
+
+class _ArrayBatches:
+    """Validation batches of an in-memory dataset, sliced in-process."""
+
+    def __init__(self, dataset: ArrayDataset, indices: torch.Tensor, batch_size: int) -> None:
+        self.dataset, self.indices, self.batch_size = dataset, indices, batch_size
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(0, len(self.indices), self.batch_size):
+            yield self.dataset.batch(self.indices[i : i + self.batch_size])

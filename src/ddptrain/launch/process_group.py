@@ -1,0 +1,150 @@
+"""Process identity, process-group start-up and teardown.
+
+torchrun (torch.distributed.elastic) sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT for each worker; `read_cluster_env` turns them into a `ClusterEnv`, and a plain
+`ddptrain train` with none of them is a single process of world size 1 that needs no
+process group at all. `setup_distributed` pins the device *before* the process group starts
+(NCCL binds its communicator to the current device) and returns a frozen
+`DistributedContext` that the rest of the code receives explicitly.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddptrain.config import ConfigError, TrainingConfig
+from ddptrain.context import DistributedContext
+from ddptrain.launch.cluster import ClusterEnv, read_cluster_env
+
+log = logging.getLogger("ddptrain")
+
+
+def resolve_device(config: TrainingConfig, local_rank: int) -> torch.device:
+    cuda = torch.cuda.is_available()
+    if config.device == "cuda" and not cuda:
+        raise ConfigError("--device 'cuda' is invalid: no CUDA device is visible; use --device cpu")
+    if config.device == "cpu" or not cuda:
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} but this node has {count} CUDA device(s): "
+            f"start at most {count} processes per node (--nproc_per_node)"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def resolve_backend(config: TrainingConfig, device: torch.device) -> str:
+    if config.backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if config.backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            "--backend 'nccl' is invalid: NCCL needs CUDA devices and this process runs on CPU; "
+            "use --backend gloo (or auto)"
+        )
+    return config.backend
+
+
+def setup_distributed(
+    config: TrainingConfig, cluster: ClusterEnv | None = None,
+    device: torch.device | None = None, backend: str | None = None,
+) -> DistributedContext:
+    """Pin the device, start the process group (if world size > 1), return the context.
+    `device` and `backend` come resolved from `ddptrain.fit`; left out, they are resolved
+    here."""
+    cluster = cluster or read_cluster_env()
+    device = device or resolve_device(config, cluster.local_rank)
+    backend = backend or resolve_backend(config, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if cluster.world_size == 1:
+        return DistributedContext(0, 0, 1, device, backend=None)
+    cluster.export_rendezvous()  # srun tasks: env:// needs MASTER_ADDR/PORT
+    try:
+        dist.init_process_group(
+            backend=backend,
+            store=_attempt_store(cluster, config.timeout_s),
+            rank=cluster.rank,
+            world_size=cluster.world_size,
+            timeout=timedelta(seconds=config.timeout_s),
+            # Binding NCCL to the device up front makes its first collective eager and
+            # avoids a guess at the device from the rank.
+            device_id=device if device.type == "cuda" else None,
+        )
+    except (dist.DistError, RuntimeError) as exc:
+        raise ConfigError(_rendezvous_advice(exc, cluster, config.timeout_s)) from None
+    return DistributedContext(
+        cluster.rank, cluster.local_rank, cluster.world_size, device, backend=backend
+    )
+
+
+def _attempt_store(cluster: ClusterEnv, timeout_s: float) -> dist.Store | None:
+    """Under torchrun, the agent's store with a namespace per restart attempt.
+
+    The torchrun agent hosts the store the workers meet in, and keeps it when it restarts
+    a failed worker group (`--max_restarts`). The restarted workers would then read the
+    dead workers' addresses from it and fail to connect, so each attempt gets its own key
+    prefix. Elsewhere (`None`) init_process_group builds its store from MASTER_ADDR/PORT.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), cluster.world_size,
+        is_master=False, timeout=timedelta(seconds=timeout_s),
+    )
+    return dist.PrefixStore(f"ddptrain/attempt_{attempt}", base)
+
+
+def _rendezvous_advice(exc: BaseException, cluster: ClusterEnv, timeout_s: float) -> str:
+    """Turn a failed process-group start into what happened and what to do."""
+    addr = os.environ.get("MASTER_ADDR", "?")
+    port = os.environ.get("MASTER_PORT", "?")
+    text = str(exc)
+    where = f"MASTER_ADDR={addr} MASTER_PORT={port}"
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return (
+            f"you set {where}, but that port is already in use on this host: choose a free "
+            "MASTER_PORT (torchrun --standalone picks one for you)"
+        )
+    if "refused" in text.lower():
+        return (
+            f"rank {cluster.rank} of {cluster.world_size} could not connect to its peers via "
+            f"{where} (connection refused): check that every rank runs, and the addresses "
+            "and firewalls between the hosts (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)"
+        )
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return (
+            f"rank {cluster.rank} of {cluster.world_size} waited {timeout_s:g}s at {where} and "
+            "not every rank arrived: start all ranks (torchrun does), check MASTER_ADDR/"
+            "MASTER_PORT and firewalls, or raise --timeout_s"
+        )
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+    return f"the process group could not start at {where} ({first}): check the launcher settings"
+
+
+def teardown_distributed(clean: bool) -> None:
+    """Destroy the process group without tripping gloo's exit-time abort.
+
+    With gloo, destroying the group while DDP's reducer, the optimizer or loader
+    iterators still hold communication state lets a background thread die at interpreter
+    exit ("terminate called without an active exception"). The caller drops those
+    objects first; here we collect them, and after a clean finish meet every rank at a
+    barrier so that none tears down while a peer still sends. After a failure a barrier
+    could wait for a dead peer, so we skip it.
+    """
+    gc.collect()
+    if not dist.is_initialized():
+        return
+    if clean:
+        try:
+            dist.barrier()
+        except Exception as exc:  # a peer died after our last collective
+            log.warning("barrier before teardown failed: %s", exc)
+    dist.destroy_process_group()

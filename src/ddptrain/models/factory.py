@@ -1,0 +1,83 @@
+"""Built-in models (MLP, MiniResNet; GPT in `ddptrain.gpt`) and `create_model`.
+
+Making a model and wrapping it for the ranks are separate steps (`create_model`, then the
+strategy's `setup_module`), so checkpoints always hold the plain module's state (no
+`module.` prefix) and loading happens before wrapping.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ddptrain.config import TrainingConfig
+from ddptrain.data.bundle import DataBundle
+from ddptrain.errors import ConfigError
+from ddptrain.models.nets import MLP, MiniResNet
+from ddptrain.plugins import call_factory
+
+
+def create_model(
+    config: TrainingConfig, data: DataBundle, outputs: int | None, device: torch.device
+) -> nn.Module:
+    """Build the model for the data's shape and the task's `outputs` (the width of the
+    head), and move it to `device` (DDP does not move it)."""
+    name = config.model
+    if name == "auto":
+        name = "gpt" if data.facts.vocab_size else "miniresnet" if data.is_image else "mlp"
+    if ":" in name:
+        model = call_factory(
+            name, "model", config, config.model_args, {**data.facts.as_kwargs(), "outputs": outputs}
+        )
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"--model {name!r} returned {type(model).__name__}, not nn.Module")
+    else:
+        model = _builtin(name, config, data, _outputs(name, outputs))
+    if config.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return model.to(device)
+
+
+def _outputs(name: str, outputs: int | None) -> int:
+    if outputs is None:
+        raise ConfigError(
+            f"--model {name} needs to know how many outputs its head has, and neither the "
+            "task nor the data says: pass --num_classes, or use --model module:fn"
+        )
+    return outputs
+
+
+def _builtin(name: str, config: TrainingConfig, data: DataBundle, outputs: int) -> nn.Module:
+    shape = data.input_shape
+    if name == "gpt":
+        if data.facts.vocab_size is None or len(shape) != 1:
+            raise ConfigError(
+                f"--model gpt needs token windows (a vocabulary and (T,) samples) but --dataset "
+                f"{config.dataset!r} gives samples of shape {shape}: use --dataset chars"
+            )
+        from ddptrain.models.gpt import build_gpt
+
+        try:
+            return build_gpt(outputs, shape[0], config.width)
+        except ValueError as exc:
+            raise ConfigError(f"--model gpt: {exc}") from None
+    if name == "miniresnet":
+        if not data.is_image:
+            raise ConfigError(
+                f"--model miniresnet needs images (C, H, W) but --dataset {config.dataset!r} "
+                f"gives samples of shape {shape}: use --model mlp"
+            )
+        if config.in_channels is not None and config.in_channels != shape[0]:
+            raise ConfigError(
+                f"--in_channels {config.in_channels} does not match the data's {shape[0]} "
+                "channels: drop the flag or fix the data"
+            )
+        return MiniResNet(shape[0], outputs, config.width)
+    if not shape:
+        raise ConfigError(
+            f"--model mlp needs tensor samples but --dataset {config.dataset!r} yields dicts: "
+            "bring a model with --model module:fn"
+        )
+    return MLP(math.prod(shape), outputs, config.width)

@@ -1,0 +1,169 @@
+"""A small GPT-style decoder-only transformer, written with plain `torch.nn`.
+
+The layout follows nanoGPT: token and learned position embeddings, a stack of pre-LayerNorm
+`Block`s (causal self-attention, then a 4x GELU MLP, each with a residual connection), a
+final LayerNorm and a language-model head whose weight is tied to the token embedding.
+
+Each transformer layer is one `Block` instance so that sharding wrappers can treat every
+`Block` as a unit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+DEFAULT_N_LAYER = 2
+
+
+DEFAULT_N_HEAD = 4
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a `GPT`: vocabulary, context length and transformer size."""
+
+    vocab_size: int
+    block_size: int  # longest sequence (context length) the position embedding covers
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which each position sees only itself and earlier ones."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.dropout = config.dropout
+        # One projection for q, k and v: a single larger matmul is cheaper than three.
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim): the layout scaled_dot_product_attention takes.
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward layer: widen 4x, GELU, project back."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """One transformer layer: pre-LayerNorm attention and MLP, each added to the residual."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model mapping token ids (B, T) to next-token logits (B, T, V)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying: input and output embeddings share one matrix, which saves
+        # vocab_size * n_embd parameters and generally helps small language models.
+        self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2 scaling: each residual projection is shrunk by 1/sqrt(2 * n_layer) so the
+        # residual stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_parameters(self) -> int:
+        """Distinct trainable parameters (the tied embedding/head matrix counted once)."""
+        # named_parameters() already yields a shared tensor once.
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.dim() != 2:
+            raise ValueError(f"GPT expects token ids of shape (B, T), got {tuple(idx.shape)}")
+        t = idx.size(1)
+        if t > self.config.block_size:
+            raise ValueError(
+                f"sequence length {t} exceeds the model's block_size "
+                f"{self.config.block_size}: shorten the input or build a larger model"
+            )
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def build_gpt(vocab_size: int, block_size: int, width: int) -> GPT:
+    """A small default GPT: `width`-dimensional embeddings, 2 layers, 4 attention heads."""
+    if width % DEFAULT_N_HEAD:
+        raise ValueError(
+            f"width {width} must be divisible by the number of attention heads "
+            f"({DEFAULT_N_HEAD}): choose a multiple of {DEFAULT_N_HEAD}"
+        )
+    return GPT(
+        GPTConfig(
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=DEFAULT_N_LAYER,
+            n_head=DEFAULT_N_HEAD,
+            n_embd=width,
+        )
+    )

@@ -1,0 +1,117 @@
+"""`metrics.jsonl` and TensorBoard scalars: rank 0 writes every row the hooks see.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from ddptrain.files import atomic_write_text
+from ddptrain.observe.hooks import Hook
+
+TENSORBOARD_HANDOVER_S = 20.0  # TensorBoard's own writer flushes every 120 s by default
+
+
+class MetricsWriter(Hook):
+    """Appends one JSON object per line to `metrics.jsonl` (rank 0 only), and mirrors every
+    numeric field of a row as the TensorBoard scalar `split/name` at the row's step into
+    `tensorboard_dir`, when one is given and the tensorboard package is installed."""
+
+    def __init__(
+        self, path: Path, enabled: bool, tensorboard_dir: Path | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        self.path, self.run_id = path, run_id
+        self.enabled = enabled
+        self.tensorboard_dir = tensorboard_dir
+        self._file = None
+        self._tb: Any = None
+        self._pending: list[tuple[Any, int]] = []
+        self._handed_at = time.monotonic()
+
+    def start(self, keep_step: int | None, keep_epoch: int | None) -> None:
+        """Open the file. On resume keep only what the checkpoint already covers, so the
+        continued log has no gap and no step twice; on a fresh start begin empty."""
+        if not self.enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept: list[str] = []
+        if keep_step is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a crash
+                covered = (
+                    row.get("step", 0) <= keep_step
+                    if row.get("split") == "train"
+                    else row.get("epoch", 0) <= (keep_epoch or 0)
+                )
+                if covered:
+                    kept.append(line)
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        self._file = self.path.open("a")
+        self._tb = self._open_tensorboard(keep_step)
+
+    def _open_tensorboard(self, keep_step: int | None) -> Any:
+        if self.tensorboard_dir is None:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # the tensorboard package is an optional extra ([viz])
+            return None
+        # As with metrics.jsonl: a fresh start begins empty (old event files would be drawn
+        # as the same run), and a resume hides the events logged after the checkpoint
+        # (purge_step), so the curves continue without a doubled stretch.
+        if keep_step is None and self.tensorboard_dir.is_dir():
+            for old in self.tensorboard_dir.glob("events.out.tfevents.*"):
+                old.unlink(missing_ok=True)
+        purge = keep_step + 1 if keep_step is not None else None
+        return SummaryWriter(str(self.tensorboard_dir), purge_step=purge)
+
+    def on_row(self, trainer: Any, row: dict[str, Any]) -> None:
+        self.write(row)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        self._file.write(json.dumps({**row, "run_id": self.run_id}) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            self._write_scalars(row)
+
+    def _write_scalars(self, row: dict[str, Any]) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        split = row.get("split", "train")
+        values = [
+            Summary.Value(tag=f"{split}/{name}", simple_value=float(value))
+            for name, value in row.items()
+            # bool is an int subclass, but a flag is not a curve
+            if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+        ]
+        # One event holding every scalar of the row costs a fifth of one `add_scalar` per
+        # field. The events are handed to the writer's thread in batches: waking it for
+        # every row steals measurable time from millisecond steps, and it only flushes
+        # to disk every `flush_secs` anyway.
+        self._pending.append((Summary(value=values), int(row.get("step", 0))))
+        if time.monotonic() - self._handed_at >= TENSORBOARD_HANDOVER_S:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        writer = self._tb._get_file_writer()
+        for summary, step in self._pending:
+            writer.add_summary(summary, step)
+        self._pending.clear()
+        self._handed_at = time.monotonic()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._hand_over()
+            self._tb.close()
+            self._tb = None

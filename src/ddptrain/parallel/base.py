@@ -1,0 +1,193 @@
+"""How the model is spread over the ranks: one small interface, one class per way.
+
+The trainer never asks which strategy runs. It calls `setup_module` and
+`build_optimizer` once, wraps the micro-steps that must not reduce gradients in
+`no_backward_sync`, uses `clip_grad_norm` / `grads_finite` on the optimizer step, and
+moves state in and out through `full_state` / `sharded_state` / `load_state`.
+
+| strategy | parameters | gradients | optimizer state | what |
+| --- | --- | --- | --- | --- |
+| `Strategy` (world size 1) | full | full | full | the bare module |
+| `ddp` | full | full, all-reduced | full | `DistributedDataParallel` |
+| `zero` | full | full, all-reduced | 1/N | `ZeroRedundancyOptimizer`: ZeRO-1 |
+| `fsdp` | 1/N | 1/N, reduce-scattered | 1/N | `fully_shard`: ZeRO-3 (or ZeRO-2) |
+
+State leaves a strategy in one form whatever the strategy: the user module's own
+parameter names, and the optimizer state keyed by those names (torch's
+`get_optimizer_state_dict` layout). So a checkpoint written under one strategy and world
+size loads under another.
+
+    ddptrain train --strategy fsdp ...   # under torchrun, 2+ processes
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext
+
+State = dict[str, Any]
+# The optimizer class and its arguments: each strategy builds the optimizer its own way.
+OptimizerSpec = tuple[type[torch.optim.Optimizer], dict[str, Any]]
+# A context that does nothing, reusable: the step enters one or two per micro-batch.
+NO_CONTEXT = contextlib.nullcontext()
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class Strategy:
+    """World size 1: the bare module; every method is the plain single-process one."""
+
+    name = "single process"
+    even_forwards = False  # must every rank run the same number of forward passes?
+    _full_load = StateDictOptions()  # a whole state loads as it is into a whole module
+
+    def __init__(
+        self, ctx: DistributedContext, config: TrainingConfig,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        # param_dtype: the autocast dtype, which fsdp casts the gathered parameters to.
+        self.ctx, self.config, self.param_dtype = ctx, config, param_dtype
+        self._found_inf = torch.zeros(1, device=ctx.device)
+        self._one = torch.ones(1, device=ctx.device)
+
+    # ------------------------------------------------------------------ setup
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """The model the training step calls (a wrapper of `module`, or itself)."""
+        return module
+
+    def build_optimizer(self, module: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
+        cls, kwargs = spec
+        return cls([p for p in module.parameters() if p.requires_grad], **kwargs)
+
+    # ------------------------------------------------------------------ step
+    def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
+        """Inside, backward only accumulates gradients locally (when `skip`)."""
+        return NO_CONTEXT
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm; returns the norm before clipping."""
+        return nn.utils.clip_grad_norm_(params, max_norm)
+
+    def grads_finite(self, params: list[nn.Parameter]) -> bool:
+        """Whether every gradient is finite, with the same verdict on every rank.
+
+        GradScaler's fused check (with a scale of 1, which leaves the values as they
+        are) costs a few µs where a norm costs tens. Under DDP every rank holds the same
+        all-reduced gradients, so the local verdict is already the global one."""
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+        self._found_inf.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, self._one)
+        return not self._found_inf.item()
+
+    # ------------------------------------------------------------------ state
+    def full_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[State, State]:
+        """Collective. The whole model and optimizer state, on rank 0 (maybe empty elsewhere)."""
+        return module.state_dict(), get_optimizer_state_dict(module, optimizer)
+
+    def model_state(self, module: nn.Module) -> State:
+        """Collective. The whole model state with the user module's names, on rank 0."""
+        return module.state_dict()
+
+    def sharded_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[State, State]:
+        """What this rank writes into (and loads from) a DCP checkpoint. Tensors every
+        rank holds alike are written once; DCP reshards on load."""
+        return get_state_dict(module, optimizer)
+
+    def load_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, model: State, optim: State,
+        full: bool,
+    ) -> None:
+        """Load a state from `full_state` (every rank holds all of it) or `sharded_state`."""
+        optim = named_optimizer_state(optim, module)
+        if not full:
+            set_state_dict(module, optimizer, model_state_dict=model, optim_state_dict=optim)
+            return
+        set_model_state_dict(module, model, options=self._full_load)
+        set_optimizer_state_dict(module, optimizer, optim, options=self._full_load)
+
+    def rank_bytes(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes of parameters, gradients (as they are once materialised) and optimizer
+        state this rank holds."""
+        params = sum(nbytes(p) for p in module.parameters())
+        grads = sum(nbytes(p) for p in module.parameters() if p.requires_grad)
+        return {"params": params, "grads": grads, "optimizer": state_bytes(optimizer.state)}
+
+
+def named_optimizer_state(optim: State, module: nn.Module) -> State:
+    """An optimizer state keyed by parameter names. A torch `Optimizer.state_dict()`
+    (integer ids, the order the optimizer was built in: the trainable parameters) is
+    converted; one keyed by names is returned as it is."""
+    groups = optim.get("param_groups", [])
+    if not groups or all(isinstance(p, str) for g in groups for p in g["params"]):
+        return optim
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+    return {
+        "state": {names[i]: s for i, s in optim.get("state", {}).items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups],
+    }
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Materialise a lazily created optimizer state (Adam's moments appear at the first
+    step) with a step of zero gradients at a learning rate of 0, so a checkpoint has
+    tensors of the right shape to load into."""
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer param group's settings, without its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.tolocal_tensor() if hasattr(t, "to_local") else t
+
+
+def to_cpu(v: Any) -> Any:
+    return v.detach().cpu() if torch.is_tensor(v) else v
+
+
+def nbytes(t: torch.Tensor) -> int:
+    local = local_tensor(t)
+    return local.numel() * local.element_size()
+
+
+def state_bytes(state: Any) -> int:
+    return sum(
+        nbytes(v) for s in state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+    )
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,140 @@
+"""`--strategy fsdp`: FSDP2 (`fully_shard`), parameters, gradients and optimizer state
+sharded over the ranks (ZeRO-3), and the choice of the blocks it shards one by one.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+from ddptrain.errors import ConfigError
+from ddptrain.parallel.base import FULL_STATE, NO_CONTEXT, State, Strategy, count_parameters
+
+log = logging.getLogger("ddptrain")
+
+
+class FSDP(Strategy):
+    """FSDP2: `fully_shard` on each block and on the root. Parameters, gradients and
+    optimizer state are sharded; a block's parameters are all-gathered for its forward
+    and backward and freed after (`--no-reshard_after_forward` keeps them from forward
+    to backward: ZeRO-2 memory, one all-gather fewer)."""
+
+    name = "fsdp"
+    even_forwards = True  # every forward all-gathers: ranks must call it alike
+    _full_load = StateDictOptions(full_state_dict=True)  # each rank keeps its shard of it
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        kwargs: dict[str, Any] = {"reshard_after_forward": self.config.reshard_after_forward}
+        if self.param_dtype is not None:
+            # Compute in the low precision, reduce gradients and keep the master weights
+            # in fp32; autocast stays on for the ops it keeps in fp32 (losses, norms).
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=self.param_dtype, reduce_dtype=torch.float32
+            )
+        if self.config.fsdp_cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        blocks = fsdp_blocks(module, self.config.fsdp_wrap)
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(module, **kwargs)
+        log.debug("fsdp: %d blocks sharded, plus the root", len(blocks))
+        self._root = module
+        return module
+
+    def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
+        self._root.set_requires_gradient_sync(not skip)  # type: ignore[operator]
+        return NO_CONTEXT
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        # Each rank holds a shard of every gradient: the norm of the sharded gradients
+        # is a DTensor whose full value is the global norm.
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = nn.utils.get_total_norm(grads)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def grads_finite(self, params: list[nn.Parameter]) -> bool:
+        finite = torch.tensor([float(super().grads_finite(params))], device=self.ctx.device)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # one rank's inf is everyone's
+        return bool(finite.item())
+
+    def full_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[State, State]:
+        optim = get_optimizer_state_dict(module, optimizer, options=FULL_STATE)
+        return self.model_state(module), optim
+
+    def model_state(self, module: nn.Module) -> State:
+        state = get_model_state_dict(module, options=FULL_STATE)
+        # Gathering copies each name's tensor apart; tied parameters (a language model's
+        # embedding and output head) are one tensor again, so export stores them once.
+        first: dict[int, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            kept = first.setdefault(id(p), name)
+            if kept != name and kept in state and name in state:
+                state[name] = state[kept]
+        return state
+
+    def sharded_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[State, State]:
+        # Buffers (BatchNorm statistics) are not sharded and FSDP does not keep them in
+        # step: each rank's drift apart in training. DCP writes one copy of a replicated
+        # tensor, so make it rank 0's, the copy evaluation and export use.
+        for buf in module.buffers():
+            dist.broadcast(buf, src=0)
+        return super().sharded_state(module, optimizer)
+
+
+def fsdp_blocks(module: nn.Module, wrap: str | None) -> list[nn.Module]:
+    """The modules FSDP shards one by one (each is all-gathered as a unit).
+
+    `--fsdp_wrap A,B`: every submodule whose class is named A or B. Otherwise the repeated
+    blocks: starting at the root, a module whose children of one class (not a container
+    such as `nn.Sequential`) hold at least half of its parameters gives those children (a
+    GPT's blocks, an MLP's layers, a ResNet's residual blocks); else the search goes on
+    into its biggest child."""
+    if wrap:
+        names = {n.strip() for n in wrap.split(",") if n.strip()}
+        found = [m for m in module.modules() if type(m).__name__ in names and m is not module]
+        if not found:
+            present = sorted({type(m).__name__ for m in module.modules()})
+            raise ConfigError(
+                f"--fsdp_wrap {wrap!r} matches no module of this model: choose among "
+                f"{', '.join(present[:12])}"
+            )
+        return found
+    node = module
+    while True:
+        total = count_parameters(node)
+        children = [c for c in node.children() if count_parameters(c)]
+        if not children or not total:
+            return []
+        by_class: dict[type, list[nn.Module]] = {}
+        for child in children:
+            if not isinstance(child, _CONTAINERS):  # a Sequential is a list, not a block
+                by_class.setdefault(type(child), []).append(child)
+        if by_class:
+            group = max(by_class.values(), key=lambda g: sum(count_parameters(c) for c in g))
+            if len(group) >= 2 and 2 * sum(count_parameters(c) for c in group) >= total:
+                return group
+        biggest = max(children, key=count_parameters)
+        if 2 * count_parameters(biggest) < total:
+            return []
+        node = biggest
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)

@@ -1,0 +1,79 @@
+"""The strategy, decided once: which class runs, and what it implies.
+
+`resolve_strategy` is called before any process group starts. It refuses flags that belong
+to another strategy (they would be ignored) and says what the plan, the dry run and
+`ddptrain doctor` print: the name, the bytes per rank, the checkpoint kind. The trainer
+builds the strategy the same choice names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext
+from ddptrain.errors import ConfigError
+from ddptrain.parallel.base import Strategy
+from ddptrain.parallel.ddp import DDP
+from ddptrain.parallel.fsdp import FSDP
+from ddptrain.parallel.memory import implied_bytes
+from ddptrain.parallel.zero import Zero
+
+STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "zero": Zero, "fsdp": FSDP}
+SINGLE = "single process"
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """What runs (`name`: ddp, zero, fsdp, or `single process` at world size 1), how it
+    checkpoints (`file` or `dcp`), and on how many ranks."""
+
+    name: str
+    world_size: int
+    checkpoint_kind: str
+    cls: type[Strategy]
+
+    def rank_bytes(self, parameters: int, slots: int) -> dict[str, int]:
+        """fp32 bytes of parameters, gradients and optimizer state one rank holds."""
+        return implied_bytes(self.name, self.world_size, parameters, slots)
+
+    def build(
+        self, ctx: DistributedContext, config: TrainingConfig, param_dtype: torch.dtype | None
+    ) -> Strategy:
+        return self.cls(ctx, config, param_dtype)
+
+
+def resolve_strategy(
+    config: TrainingConfig, world_size: int, device: torch.device | str
+) -> StrategyChoice:
+    """The strategy of a run of `world_size` ranks on `device`, or a ConfigError naming a
+    flag that would be silently ignored."""
+    device_type = torch.device(device).type
+    if config.strategy != "fsdp":
+        if config.fsdp_wrap:
+            _refuse("fsdp_wrap", config.fsdp_wrap, config.strategy)
+        if not config.reshard_after_forward:
+            _refuse("no-reshard_after_forward", None, config.strategy)
+        if config.fsdp_cpu_offload:
+            _refuse("fsdp_cpu_offload", None, config.strategy)
+    elif config.fsdp_cpu_offload and (world_size == 1 or device_type != "cuda"):
+        where = "one process" if world_size == 1 else "CPU"
+        raise ConfigError(
+            f"--fsdp_cpu_offload is invalid on {where}: it moves GPU shards of 2+ ranks "
+            "into CPU memory, and here the parameters already live there; drop the flag"
+        )
+    if world_size == 1:
+        return StrategyChoice(SINGLE, 1, config.checkpoint_kind, Strategy)
+    return StrategyChoice(
+        config.strategy, world_size, config.checkpoint_kind, STRATEGIES[config.strategy]
+    )
+
+
+def _refuse(flag: str, value: object, strategy: str) -> None:
+    shown = f"--{flag}" + (f" {value!r}" if value is not None else "")
+    raise ConfigError(
+        f"{shown} is an fsdp setting and --strategy is {strategy!r}: add --strategy fsdp, "
+        "or drop the flag"
+    )

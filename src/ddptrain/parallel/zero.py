@@ -1,0 +1,95 @@
+"""`--strategy zero`: ZeRO stage 1, the optimizer state sharded over the ranks.
+
+Each rank steps the parameters it owns (`ZeroRedundancyOptimizer`) and broadcasts them;
+its state leaves and enters keyed by parameter names, like every strategy's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddptrain.parallel.base import (
+    OptimizerSpec,
+    State,
+    hyperparameters,
+    init_optimizer_state,
+    named_optimizer_state,
+    state_bytes,
+    to_cpu,
+)
+from ddptrain.parallel.ddp import DDP
+
+
+class Zero(DDP):
+    """DDP with the optimizer state sharded: each rank steps the parameters it owns and
+    broadcasts them (ZeroRedundancyOptimizer, ZeRO stage 1)."""
+
+    name = "zero"
+
+    def build_optimizer(self, module: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        cls, kwargs = spec
+        params = [p for p in module.parameters() if p.requires_grad]
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+
+    def _mine(self, module: nn.Module, optimizer: Any) -> State:
+        """This rank's shard of the optimizer state, keyed by parameter name."""
+        names = {p: n for n, p in module.named_parameters()}
+        groups = [
+            {**hyperparameters(g), "params": [names[p] for p in g["params"]]}
+            for g in optimizer.param_groups
+        ]
+        state = {names[p]: dict(s) for p, s in optimizer.optim.state.items()}
+        return {"state": state, "param_groups": groups}
+
+    def full_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[State, State]:
+        from ddptrain.context import gather_to_main
+
+        mine = self._mine(module, optimizer)
+        cpu = {n: {k: to_cpu(v) for k, v in s.items()} for n, s in mine["state"].items()}
+        shards = gather_to_main(cpu, self.ctx)
+        if shards is None:
+            return {}, {}
+        merged = {n: s for shard in shards for n, s in shard.items()}
+        return module.state_dict(), {"state": merged, "param_groups": mine["param_groups"]}
+
+    def sharded_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[State, State]:
+        init_optimizer_state(optimizer.optim)  # type: ignore[attr-defined]
+        return module.state_dict(), self._mine(module, optimizer)
+
+    def load_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, model: State, optim: State,
+        full: bool,
+    ) -> None:
+        """Each rank takes the state of the parameters it owns; hyperparameters go to the
+        exposed groups and to the local optimizer's."""
+        optim = named_optimizer_state(optim, module)
+        module.load_state_dict(model)
+        local = optimizer.optim  # type: ignore[attr-defined]
+        names = {p: n for n, p in module.named_parameters()}
+        for group in local.param_groups:
+            for p in group["params"]:
+                saved = optim["state"].get(names[p])
+                if saved is not None:
+                    local.state[p] = {
+                        k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v
+                        for k, v in saved.items()
+                    }
+        for saved_group, *groups in zip(
+            optim["param_groups"], optimizer.param_groups, local.param_groups, strict=False
+        ):
+            for group in groups:
+                group.update(hyperparameters(saved_group))
+
+    def rank_bytes(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        figures = super().rank_bytes(module, optimizer)
+        figures["optimizer"] = state_bytes(optimizer.optim.state)  # type: ignore[attr-defined]
+        return figures

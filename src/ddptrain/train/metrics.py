@@ -1,0 +1,163 @@
+"""Global metrics: sums kept on the device, all-reduced only when read.
+
+Each rank adds the task's sums (summed loss, its count, metric sums) into one float64
+tensor; reading it all-reduces that tensor once, so the global loss is the mean over every
+sample or token of every rank (not a mean of per-rank means) and the hot loop never waits
+for the host.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddptrain.context import DistributedContext
+from ddptrain.train.tasks import Score, Task
+
+
+class MetricSums:
+    """Running sums of one split: the summed loss, its count, the task's metric sums and
+    the number of samples.
+
+    Micro-batches add into a pending window that `commit` folds into the totals once the
+    optimizer step is known to be good (a skipped, non-finite step is dropped, so one bad
+    batch does not turn every later figure into NaN). An update is one small in-place add
+    and no host sync; counts known on the host (samples) stay Python ints.
+    """
+
+    def __init__(self, task: Task, device: torch.device) -> None:
+        self.task = task
+        self.names = ("loss", "count", *task.metric_names)
+        zero = torch.zeros(len(self.names), dtype=torch.float64, device=device)
+        self._sums, self._win = zero.clone(), zero.clone()  # committed, pending
+        self._zero = zero[0]
+        self._count = self._samples = 0  # host-side counts, committed
+        self._win_count = self._win_samples = 0  # ... pending
+
+    def update(self, score: Score) -> None:
+        """Add a scored batch: its summed loss, the count it sums over (int or tensor),
+        its metric sums and its number of samples."""
+        count = score.count
+        if isinstance(count, int):
+            self._win_count += count
+            count = self._zero
+        parts = [score.loss_sum.detach(), count, *(score.metrics[n] for n in self.names[2:])]
+        try:  # one stack and one add into the float64 sums: this runs every micro-batch
+            self._win.add_(torch.stack(parts))
+        except RuntimeError:  # a task's sums of shape (1,) rather than 0-d
+            self._win.add_(torch.cat([p.reshape(1).to(torch.float64) for p in parts]))
+        self._win_samples += score.samples
+
+    def window_count(self) -> torch.Tensor:
+        """The pending window's count on this rank, as a float64 tensor (to all-reduce)."""
+        return self._win[1:2] + self._win_count
+
+    def commit(self, keep: bool = True) -> None:
+        """Fold the pending window into the totals (or drop it), and start a new one."""
+        if keep:
+            self._sums.add_(self._win)
+            self._count += self._win_count
+            self._samples += self._win_samples
+        self._win.zero_()
+        self._win_count = self._win_samples = 0
+
+    def snapshot(self) -> torch.Tensor:
+        """This rank's committed totals as one float64 tensor, to all-reduce later (with
+        `reduce_snapshots`): the device sums, then the host-side count and samples."""
+        host = self._sums.new_tensor([float(self._count), float(self._samples)])
+        return torch.cat([self._sums, host])
+
+    def global_totals(self, ctx: DistributedContext) -> list[float]:
+        """Totals summed over every rank so far (see `summarize`). A sync point."""
+        totals, _, _ = reduce_snapshots(ctx, [self.snapshot()], False, 0.0)
+        return totals[-1]
+
+    def set(self, totals: list[float]) -> None:
+        """Start from saved global totals (a mid-epoch resume, on one rank)."""
+        self._sums.copy_(torch.tensor(totals[:-1], dtype=torch.float64))
+        self._samples = int(totals[-1])
+
+    def summarize(self, totals: list[float]) -> dict[str, float]:
+        """The task's metrics from global totals (or from a difference of two)."""
+        return summarize(self.task, self.names, totals)
+
+
+def reduce_snapshots(
+    ctx: DistributedContext, snapshots: list[torch.Tensor], flag: bool, seconds: float
+) -> tuple[list[list[float]], bool, float]:
+    """All-reduce several snapshots of one split's sums in one collective, with whether
+    `flag` is set on any rank and the mean of the ranks' `seconds`. Returns the global
+    totals of each snapshot (`names` then samples), the flag and that mean; every rank
+    gets the same values."""
+    width = snapshots[0].numel()
+    control = torch.zeros(width, dtype=torch.float64, device=snapshots[0].device)
+    control[0], control[1] = float(flag), seconds
+    buf = torch.stack([*snapshots, control])
+    if ctx.distributed:
+        dist.all_reduce(buf)
+    *rows, (flags, total_s, *_) = buf.tolist()
+    for values in rows:
+        values[1] += values[-2]  # counts kept on the host join those kept on the device
+    totals = [[*values[:-2], values[-1]] for values in rows]
+    return totals, flags > 0, total_s / ctx.world_size
+
+
+def peak_rss_mb() -> float:
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+
+
+class EpochMeter:
+    """The running train metrics of an epoch, and the timing of the interval since the
+    last log point."""
+
+    def __init__(self, sums: MetricSums, step: int) -> None:
+        self.sums = sums
+        self.logged = [0.0] * (len(sums.names) + 1)  # global totals at the last log point
+        self.t_last = time.perf_counter()
+        self.wait = 0.0  # seconds blocked on the loader since the last log point
+        self.step_last = step
+
+    def restore(self, saved: dict[str, Any], is_main: bool) -> None:
+        """Continue from a mid-epoch checkpoint's global totals (added in on one rank)."""
+        if len(saved.get("totals", ())) != len(self.logged):
+            return  # written for another task's sums
+        self.logged = list(saved["logged"])
+        if is_main:
+            self.sums.set(saved["totals"])
+
+    def mark(self, step: int) -> tuple[float, dict[str, float]]:
+        """End the interval at `step`: its seconds and the row fields timed on this rank."""
+        now = time.perf_counter()
+        elapsed = now - self.t_last
+        fields = {
+            "step_time_s": elapsed / max(1, step - self.step_last),
+            "data_wait_frac": self.wait / elapsed,
+            "peak_rss_mb": peak_rss_mb(),
+        }
+        self.t_last, self.wait, self.step_last = now, 0.0, step
+        return elapsed, fields
+
+    def row(self, totals: list[float], mark: tuple[float, dict[str, float]]) -> dict[str, Any]:
+        """The task's metrics and the throughput of the interval `mark` up to `totals`."""
+        interval = [a - b for a, b in zip(totals, self.logged, strict=True)]
+        elapsed, fields = mark
+        self.logged = totals
+        return {
+            **self.sums.summarize(interval), "samples_per_sec": interval[-1] / elapsed, **fields
+        }
+
+
+def summarize(task: Task, names: tuple[str, ...], totals: list[float]) -> dict[str, float]:
+    named = dict(zip(names, totals, strict=False))
+    samples = int(totals[len(names)])
+    count = named["count"]
+    if count <= 0:
+        return {"loss": float("nan"), "samples": samples}
+    return {**task.summarize(named, count), "samples": samples}

@@ -1,0 +1,119 @@
+"""The run's arithmetic, stated before the first step (and by `--dry_run`).
+
+    ddptrain train --dataset breast_cancer --batch_size 8 --drop_last --dry_run
+    torchrun --standalone --nproc_per_node=2 -m ddptrain train --drop_last --batch_size 8 --dry_run
+
+World size, strategy, device, precision; per-rank and global batch; how an epoch's samples
+fall on ranks and batches and how many are dropped (and why); optimizer steps per epoch
+and in total; peak and effective learning rate; warm-up; checkpoint cadence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ddptrain.config import TrainingConfig
+from ddptrain.data.bundle import DataBundle
+from ddptrain.data.epoch import samples_dropped, steps_per_epoch
+from ddptrain.parallel.memory import format_bytes, optimizer_slots
+from ddptrain.parallel.resolve import StrategyChoice
+from ddptrain.train.optim import peak_lr
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    world_size: int
+    strategy: str
+    device: str
+    backend: str
+    precision: str
+    task: str
+    parameters: int | None
+    batch_size: int  # per rank, per micro-batch
+    accum: int
+    global_batch: int  # samples per optimizer step, all ranks
+    train_samples: int | None  # None: an iterable dataset without a length
+    dropped: int
+    batches_per_rank: int | None
+    steps_per_epoch: int | None
+    total_steps: int | None
+    base_lr: float
+    peak_lr: float
+    warmup_steps: float | None
+    checkpoints: str
+    rank_bytes: dict[str, int] | None = None  # implied by the strategy (fp32 master state)
+
+    @property
+    def samples_per_epoch(self) -> int | None:
+        return None if self.train_samples is None else self.train_samples - self.dropped
+
+
+def make_plan(
+    config: TrainingConfig, data: DataBundle, world_size: int, device: str, backend: str,
+    precision: str, task: str, parameters: int | None, strategy: StrategyChoice,
+) -> RunPlan:
+    cfg, w, b, k = config, world_size, config.batch_size, config.grad_accum_steps
+    try:
+        n: int | None = len(data.train)  # type: ignore[arg-type]
+    except TypeError:
+        n = None
+    dropped = samples_dropped(n, w, b, cfg.drop_last) if n else 0
+    batches = math.ceil((n - dropped) / (w * b)) if n else None
+    spe = steps_per_epoch(n, w, b, k, cfg.drop_last) if n else None
+    cadence = [f"every {cfg.save_every} epoch(s)" if cfg.save_every else "at the end"]
+    if cfg.save_every_steps:
+        cadence.append(f"every {cfg.save_every_steps} steps")
+    if cfg.keep_last:
+        cadence.append(f"keeping the newest {cfg.keep_last}")
+    return RunPlan(
+        world_size=w, strategy=strategy.name,
+        device=device, backend=backend, precision=precision, task=task,
+        parameters=parameters, batch_size=b, accum=k, global_batch=w * b * k,
+        train_samples=n, dropped=dropped, batches_per_rank=batches, steps_per_epoch=spe,
+        total_steps=spe * cfg.epochs if spe is not None else None, base_lr=cfg.lr,
+        peak_lr=peak_lr(cfg, w), warmup_steps=cfg.warmup_epochs * spe if spe else None,
+        checkpoints=", ".join(cadence) + f" {strategy.checkpoint_kind} into {cfg.ckpt_dir}",
+        rank_bytes=None if parameters is None else strategy.rank_bytes(
+            parameters, optimizer_slots(cfg)
+        ),
+    )
+
+
+def _n(value: int | float | None) -> str:
+    if value is None:
+        return "unknown (the dataset has no length)"
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
+
+
+def format_plan(plan: RunPlan, config: TrainingConfig) -> str:
+    """The plan as lines a person reads top to bottom."""
+    w, b, k = plan.world_size, plan.batch_size, plan.accum
+    if plan.dropped:
+        why = f" (--drop_last: the last {plan.dropped} do not fill a global batch of {w * b})"
+    elif config.drop_last:
+        why = " (--drop_last, but the epoch divides evenly)"
+    else:
+        why = " (the last global batch is shorter and split as evenly as it goes)"
+    scaling = f" = {plan.base_lr:g} x {w * k} (--scale_lr)" if config.scale_lr else ""
+    per_rank = None if plan.train_samples is None else plan.samples_per_epoch
+    lines = [
+        f"world size      {w} ({plan.strategy}), {plan.device}, backend {plan.backend}, "
+        f"{plan.precision}",
+        f"task            {plan.task}"
+        + (f", {plan.parameters:,} parameters" if plan.parameters is not None else ""),
+        f"batch           {b} per rank x {k} accumulation step(s) x {w} rank(s) = "
+        f"{plan.global_batch} samples per optimizer step",
+        f"training data   {_n(plan.train_samples)} samples; per epoch {_n(per_rank)} trained, "
+        f"{plan.dropped} dropped{why}",
+        f"per epoch       {_n(plan.batches_per_rank)} batches per rank, "
+        f"{_n(None if plan.batches_per_rank is None else plan.batches_per_rank * w)} in all, "
+        f"{_n(plan.steps_per_epoch)} optimizer steps",
+        f"in total        {config.epochs} epochs, {_n(plan.total_steps)} optimizer steps",
+        f"learning rate   peak {plan.peak_lr:g}{scaling}; warm-up "
+        f"{_n(plan.warmup_steps)} steps, then cosine to 0",
+        f"checkpoints     {plan.checkpoints}",
+    ]
+    if plan.rank_bytes is not None:
+        lines.insert(2, f"memory          {format_bytes(plan.rank_bytes)} ({plan.strategy})")
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""A resume: every part of a freshly built trainer put where the checkpoint left it.
+
+The weights and optimizer state load through the checkpoint's backend and the strategy
+(any strategy, any world size); then the progress, the scaler, the history and the hooks'
+state; the per-rank RNG states and the data position where they still mean the same; and
+the schedule, placed by epochs and global samples done, so that on another layout it
+still ends at its planned end.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+from ddptrain.checkpoint.rng import set_rng_state
+from ddptrain.checkpoint.schema import APPLIED, LAYOUT, Progress, changed, refuse_incompatible
+from ddptrain.train.optim import peak_lr
+
+if TYPE_CHECKING:
+    from ddptrain.train.trainer import Trainer
+
+log = logging.getLogger("ddptrain")
+
+
+def restore(trainer: Trainer) -> str | None:
+    """Load the checkpoint `--resume_from` names (rank 0 decides which) into `trainer`;
+    returns its path, or None for a fresh start. Collective."""
+    cfg = trainer.config
+    found = trainer.checkpoints.locate(cfg.resume_from)
+    if found is None:
+        return None
+    path, payload = found
+    current = cfg.to_dict()
+    refuse_incompatible(payload, current, trainer.task.name, str(path))
+    trainer.checkpoints.load(path, payload, trainer.module, trainer.optimizer)
+    trainer.scaler.load_state_dict(payload["scaler_state_dict"])
+    trainer.progress = Progress.from_payload(payload)
+    trainer.history.update(payload.get("history", {}))
+    trainer.hooks.load_state_dict(payload.get("hooks", {}))
+    _restore_position(trainer, payload)
+    _place_schedule(trainer, changed(payload.get("config", {}), current, APPLIED))
+    log.info(
+        "resumed from %s: epoch %d done, step %d",
+        path, trainer.progress.epoch, trainer.progress.step,
+    )
+    return str(path)
+
+
+def _restore_position(trainer: Trainer, payload: dict[str, Any]) -> None:
+    """Per-rank random state and the epoch's running metrics, where they still mean
+    the same; the data position (global samples) means the same on any layout."""
+    cfg, ctx, progress = trainer.config, trainer.ctx, trainer.progress
+    saved = payload.get("config", {})
+    same_layout = payload.get("world_size") == ctx.world_size and all(
+        saved.get(k) == getattr(cfg, k) for k in LAYOUT
+    )
+    if same_layout:
+        set_rng_state(payload["rng"][ctx.rank], ctx.device)
+    meter = payload.get("epoch_meter") or None
+    if meter and payload.get("task") == trainer.task.name:
+        trainer.resumed_meter = meter
+    if not progress.samples_in_epoch:
+        return
+    if trainer.data.iterable:
+        states = payload.get("data_state") or [None]
+        if same_layout and trainer.train_batches.stateful and states[0] is not None:
+            trainer.train_batches.load_state_dict(states[ctx.rank])
+            return
+        log.warning(
+            "an IterableDataset without state_dict/load_state_dict (or with DataLoader "
+            "workers, or on another layout) cannot start part-way: epoch %d restarts "
+            "from its beginning", progress.epoch + 1,
+        )
+        progress.samples_in_epoch = 0
+        trainer.resumed_meter = None
+    elif not same_layout:
+        log.warning(
+            "checkpoint was taken mid-epoch with another world size or batch layout: "
+            "epoch %d continues at global sample %d",
+            progress.epoch + 1, progress.samples_in_epoch,
+        )
+
+
+def _place_schedule(trainer: Trainer, applied: list[str]) -> None:
+    """Apply the settings the run is resumed with to the restored optimizer, and put
+    the schedule where the data is: on another layout the step count means another
+    thing, so the position comes from epochs and global samples done."""
+    cfg, progress = trainer.config, trainer.progress
+    groups, sched = trainer.optimizer.param_groups, trainer.scheduler
+    world_size, steps_per_epoch = trainer.ctx.world_size, trainer.steps_per_epoch
+    for group in groups:
+        group["weight_decay"] = cfg.weight_decay
+        if "momentum" in group:
+            group["momentum"] = cfg.momentum
+    micro = math.ceil(progress.samples_in_epoch / (world_size * cfg.batch_size))
+    position = progress.epoch * steps_per_epoch + math.ceil(micro / cfg.grad_accum_steps)
+    if not steps_per_epoch or trainer.data.iterable:
+        position = progress.step  # no layout to place it by: the step count is all
+    if position != progress.step:
+        log.warning(
+            "resumed on another layout (world size or batch): the schedule continues at "
+            "step %d of %d, so it still ends at its planned end", position, trainer.total_steps,
+        )
+    sched.base_lrs = [peak_lr(cfg, world_size)] * len(groups)
+    sched.last_epoch = position
+    sched._last_lr = [  # type: ignore[attr-defined]
+        base * fn(position) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)
+    ]
+    for group, lr in zip(groups, sched._last_lr, strict=True):  # type: ignore[attr-defined]
+        group["lr"] = lr
+    if applied:
+        log.warning(
+            "resume applies %s: the schedule is rebuilt for them and continues from its "
+            "current step (no warm-up again)", ", ".join(applied),
+        )

@@ -1,0 +1,454 @@
+"""The training loop: one optimizer step = one gradient reduction, however it is reached.
+
+Path of one optimizer step (`train_epoch` -> `_forward_backward` -> `_optimizer_step`):
+micro-batches 1..K-1 of an accumulation window run forward and backward inside the
+strategy's `no_backward_sync` (gradients only accumulate locally); micro-batch K runs
+outside it and the gradients are reduced once; then (optional) unscale + clip, the
+non-finite check, optimizer and scaler step, `zero_grad(set_to_none=True)`, and the
+warm-up/cosine schedule advances by one step.
+
+Each micro-batch's loss is the task's *sum*, scaled by world size / the global count of
+its window (every rank, every micro-batch), so the reduced gradient is the mean over the
+whole optimizer step: N ranks x batch B equal one rank x batch N*B, and K micro-batches of
+b one batch of K*b, also when an epoch's last global batch is short. When the count is
+only known from the data (tokens; iterable datasets), the window's global count is
+all-reduced at the step and the gradients are rescaled by it.
+
+Faults: a non-finite gradient skips the step on every rank; SIGTERM is agreed on at the
+next metric all-reduce, a checkpoint is written and the run exits with `Preempted`; a
+restarted torchrun worker resumes from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddptrain.checkpoint.export import export_safetensors_state
+from ddptrain.checkpoint.manager import Checkpointer
+from ddptrain.checkpoint.rng import gather_rng_states
+from ddptrain.checkpoint.schema import Progress
+from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext, gather_to_main
+from ddptrain.data.batch import ModelCall, mark_batch_dynamic, split, to_device
+from ddptrain.data.bundle import DataBundle
+from ddptrain.data.epoch import Micro
+from ddptrain.data.train_batches import make_train_batches
+from ddptrain.data.validation import make_val_loader
+from ddptrain.files import atomic_write_text
+from ddptrain.models.factory import create_model
+from ddptrain.observe.console import Console, Curves
+from ddptrain.observe.flops import gpu_fields
+from ddptrain.observe.hooks import Hook, Hooks
+from ddptrain.observe.profiling import StepProfiler
+from ddptrain.observe.trackers import tracker_hooks
+from ddptrain.observe.writer import MetricsWriter
+from ddptrain.parallel.resolve import StrategyChoice, resolve_strategy
+from ddptrain.train.evaluate import Evaluator
+from ddptrain.train.metrics import EpochMeter, MetricSums, reduce_snapshots
+from ddptrain.train.optim import build_scheduler, optimizer_spec, peak_lr
+from ddptrain.train.plan import RunPlan, format_plan, make_plan
+from ddptrain.train.precision import Precision, resolve_precision
+from ddptrain.train.resume import restore
+from ddptrain.train.stop import StopRequest
+from ddptrain.train.tasks import Scorer, Task, head_size, resolve_task
+
+log = logging.getLogger("ddptrain")
+
+
+# Train rows are all-reduced in batches: one collective about every SYNC_EVERY_S seconds
+# of training (and at the end of each epoch), whatever --log_interval is, since on a busy
+# machine a collective costs far more than its bytes. Until the step time is known, the
+# first batch is due after --log_interval steps, and never later than FIRST_SYNC_STEPS.
+# The same collective carries the stop request: a SIGTERM is acted on within about
+# SYNC_EVERY_S plus a step, well inside a launcher's grace period (torchrun: 30 s).
+SYNC_EVERY_S = 2.0
+
+
+FIRST_SYNC_STEPS = 25
+
+
+MAX_SYNC_STEPS = 100_000
+
+
+class Trainer:
+    """Owns the model, optimizer, schedule, loaders and progress of one run on one rank."""
+
+    def __init__(
+        self, config: TrainingConfig, ctx: DistributedContext, data: DataBundle,
+        module: nn.Module | None = None, task: Task | None = None,
+        hooks: Sequence[Hook] = (), precision: Precision | None = None,
+        strategy: StrategyChoice | None = None,
+    ) -> None:
+        """`task`, `precision` and `strategy` come resolved from `ddptrain.fit`; left out
+        (a trainer built by hand), they are resolved here from the config."""
+        self.config, self.ctx, self.data = config, ctx, data
+        device = ctx.device
+        self.task = task or resolve_task(config, data.facts)
+        self.precision = precision or resolve_precision(config, device)
+        self.choice = strategy or resolve_strategy(config, ctx.world_size, device)
+        self.strategy = self.choice.build(ctx, config, self.precision.dtype)
+        self.module = self._build_module(module)
+        self.call = ModelCall(self.module)
+        self.scorer = Scorer(self.task, device)
+        self._setup_data()
+        # Wrapped (or sharded in place) before the optimizer sees the parameters: under
+        # fsdp they become shards, and a checkpoint loads into the shards.
+        self.model = self.strategy.setup_module(self.module)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = self.strategy.build_optimizer(
+            self.module, optimizer_spec(config, peak_lr(config, ctx.world_size))
+        )
+        warmup_steps = config.warmup_epochs * self.steps_per_epoch
+        self.scheduler = build_scheduler(self.optimizer, warmup_steps, self.total_steps)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision.scaler)
+        self.progress = Progress()
+        self._sync_every = min(config.log_interval, FIRST_SYNC_STEPS)
+        self.steps_done_in_epoch = 0
+        self.resumed_meter: dict[str, Any] | None = None
+        self.stop = StopRequest()
+        self.history: dict[str, Any] = {
+            "train_time_s": 0.0, "samples": 0, "best": None, "best_epoch": 0
+        }
+        self.writer = MetricsWriter(
+            config.run_dir / "metrics.jsonl", enabled=ctx.is_main,
+            tensorboard_dir=config.run_dir / "tensorboard" if config.tensorboard else None,
+            run_id=config.run_id,
+        )
+        self.hooks = Hooks([
+            self.writer, Console(), StepProfiler(config, ctx, self.steps_per_epoch),
+            Curves(sync=config.tracker != "none"), *tracker_hooks(config, ctx), *hooks,
+        ])
+        torch.manual_seed(config.seed + ctx.rank)  # per-rank randomness (dropout, user aug.)
+        self.checkpoints = Checkpointer(config, ctx, self.strategy, self.choice.checkpoint_kind)
+        self.evaluator = Evaluator(self, self.val_loader)
+        self.resumed_from = restore(self)
+        self.last_inputs: Any = None  # model inputs of the newest micro-batch (FLOPs, fsdp eval)
+        if config.compile:
+            # The wrapper is compiled, so DDP's buckets still overlap with backward; the
+            # plain module (checkpoints, evaluation) keeps its own parameter names.
+            self.model = torch.compile(self.model)
+        self.first_step_s: float | None = None
+        self._t_fit = time.perf_counter()
+
+    def _build_module(self, module: nn.Module | None) -> nn.Module:
+        """The user's module, or the built-in one for the task's head, with identical
+        initial weights on every rank, on this rank's device."""
+        cfg, device = self.config, self.ctx.device
+        torch.manual_seed(cfg.seed)
+        if module is None:
+            module = create_model(cfg, self.data, head_size(self.task, self.data.facts), device)
+        module = module.to(device)
+        if cfg.channels_last:
+            module = module.to(memory_format=torch.channels_last)
+        return module
+
+    @property
+    def memory_format(self) -> torch.memory_format | None:
+        return torch.channels_last if self.config.channels_last else None
+
+    def _setup_data(self) -> None:
+        cfg, ctx = self.config, self.ctx
+        self.val_loader = make_val_loader(self.data.val, cfg, ctx)
+        self.train_batches = make_train_batches(self.data.train, cfg, ctx)
+        self.steps_per_epoch = self.train_batches.steps_per_epoch
+        # An iterable dataset without a length has no planned end: a constant LR.
+        self.total_steps = self.steps_per_epoch * cfg.epochs or 2**62
+        # Counts known only from the data (tokens, iterable samples): the loss is scaled by
+        # a nominal count, and the step rescales by the true global one.
+        self.dynamic = self.task.dynamic_count or self.data.iterable
+        self.nominal = float(cfg.batch_size * cfg.grad_accum_steps * ctx.world_size)
+
+    # ------------------------------------------------------------------ state
+    def meta_state(self, meter: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Everything a resume needs but the weights and optimizer state; RNG states of
+        all ranks are gathered on rank 0. `meter` holds the epoch's global metric totals
+        when saving mid-epoch. Collective."""
+        return {
+            "epoch_meter": meter or {},
+            **self.progress.to_dict(),
+            "scheduler_state_dict": self.scheduler.state_dict(),
+            "scaler_state_dict": self.scaler.state_dict(),
+            "task": self.task.name,
+            "world_size": self.ctx.world_size,
+            "config": self.config.to_dict(),
+            "rng": gather_rng_states(self.ctx),
+            "data_state": gather_to_main(self.train_batches.state_dict(), self.ctx),
+            "hooks": self.hooks.state_dict(),
+            "history": dict(self.history),
+        }
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict[str, Any]:
+        cfg, ctx = self.config, self.ctx
+        self.writer.start(
+            keep_step=self.progress.step if self.resumed_from else None,
+            keep_epoch=self.progress.epoch,
+        )
+        if ctx.is_main:
+            log.info("plan\n%s", format_plan(self.plan(), cfg))
+        self._t_fit = time.perf_counter()
+        val: dict[str, float] = {}
+        try:
+            with self.stop:
+                self.hooks.on_fit_start(self)
+                for epoch in range(self.progress.epoch + 1, cfg.epochs + 1):
+                    val = self._epoch(epoch)
+            self.checkpoints.wait()
+            summary = self._summary(val)
+            weights = self.strategy.model_state(self.module)  # collective under fsdp
+            if ctx.is_main:
+                export_safetensors_state(weights, cfg.run_dir / "model.safetensors")
+                text = json.dumps(summary, indent=2) + "\n"
+                atomic_write_text(cfg.run_dir / "summary.json", text)
+            self.hooks.on_fit_end(self, summary)
+        finally:
+            self.hooks.close()
+        return summary
+
+    def _epoch(self, epoch: int) -> dict[str, float]:
+        """Train one epoch, validate, checkpoint when due or when it is the best so far."""
+        cfg, t0, history = self.config, time.perf_counter(), self.history
+        train = self.train_epoch(epoch)
+        val = self.evaluate()
+        history["samples"] += train["samples"]
+        history["train_time_s"] += time.perf_counter() - t0
+        score = val.get(self.task.best, float("nan"))
+        improved = history["best"] is None or _better(score, history["best"], self.task.mode)
+        if improved:
+            history["best"], history["best_epoch"] = score, epoch
+        self.progress.epoch, self.progress.samples_in_epoch = epoch, 0
+        self.hooks.on_row(self, {
+            "split": "val", "epoch": epoch, "step": self.progress.step, **val,
+            **{f"train_{k}": v for k, v in train.items() if k != "samples"},
+            "epoch_time_s": time.perf_counter() - t0,
+        })
+        due = epoch == cfg.epochs or (cfg.save_every and epoch % cfg.save_every == 0)
+        if (due or improved) and self._may_save():
+            self.save(best=improved)
+        return val
+
+    def _summary(self, val: dict[str, float]) -> dict[str, Any]:
+        """The run's figures, across every resume of it."""
+        h, task = self.history, self.task
+        return {
+            "run_id": self.config.run_id, "run_dir": str(self.config.run_dir),
+            "epochs": self.config.epochs,
+            "steps": self.progress.step, "world_size": self.ctx.world_size, "task": task.name,
+            **{f"val_{k}": v for k, v in val.items() if k != "samples"},
+            "best_metric": task.best, f"best_val_{task.best}": h["best"],
+            "best_epoch": h["best_epoch"], "train_time_s": h["train_time_s"],
+            "samples": h["samples"],
+            "samples_per_sec": h["samples"] / h["train_time_s"] if h["train_time_s"] else 0.0,
+            "bad_steps": self.progress.bad_steps, "first_step_s": self.first_step_s,
+            "strategy": self.strategy.name,
+            "rank0_bytes": self.strategy.rank_bytes(self.module, self.optimizer),
+            **self._checkpoint_figures(),
+        }
+
+    def _checkpoint_figures(self) -> dict[str, Any]:
+        if not self.checkpoints.blocking_s:
+            return {}
+        times = sorted(self.checkpoints.blocking_s)
+        return {"checkpoint_blocking_s_median": times[len(times) // 2]}
+
+    def _may_save(self) -> bool:
+        """No checkpoint at a skipped (non-finite) step: the newest stays the last good."""
+        if self.progress.bad_streak:
+            log.warning("step %d was skipped: no checkpoint written", self.progress.step)
+        return not self.progress.bad_streak
+
+    def train_epoch(self, epoch: int) -> dict[str, float]:
+        cfg = self.config
+        self.model.train()
+        meter = self._new_meter()
+        self.steps_done_in_epoch = max(0, self.progress.step - (epoch - 1) * self.steps_per_epoch)
+        self.hooks.on_epoch_start(self, epoch)
+        sync = Sync(self.progress.step, self._sync_every)
+        for batch, micro, waited in self.train_batches.epoch(epoch, self.progress.samples_in_epoch):
+            meter.wait += waited
+            self.last_inputs = self._forward_backward(batch, micro, meter.sums)
+            if not micro.ends_window:
+                continue
+            good = self._optimizer_step(meter.sums)
+            meter.sums.commit(keep=good)
+            self.progress.count_step(good, cfg.max_bad_steps, cfg.ckpt_dir)
+            self.progress.samples_in_epoch = micro.position
+            if self.first_step_s is None:
+                self._first_step_done()
+            self.hooks.on_step_end(self)
+            step = self.progress.step
+            if step % cfg.log_interval == 0:
+                sync.rows.append((meter.sums.snapshot(), self._row_head(epoch, meter)))
+            save_now = bool(cfg.save_every_steps) and step % cfg.save_every_steps == 0
+            # One process needs no agreement: a stop request is acted on at once.
+            alone_stopping = self.stop.requested and not self.ctx.distributed
+            if save_now or sync.due(step) or alone_stopping:
+                totals, stop = self._sync(sync, meter)
+                if save_now or stop:
+                    self._save_mid_epoch(meter, totals, stop)
+        totals, stop = self._sync(sync, meter)
+        if stop:
+            self._save_mid_epoch(meter, totals, stop)
+        return meter.sums.summarize(totals)
+
+    def _row_head(self, epoch: int, meter: EpochMeter) -> tuple[dict[str, Any], Any]:
+        """What a train row takes from the step it is logged at, and the interval's timing."""
+        head = {
+            "split": "train", "epoch": epoch, "step": self.progress.step,
+            "lr": self.optimizer.param_groups[0]["lr"], "bad_steps": self.progress.bad_steps,
+        }
+        return head, meter.mark(self.progress.step)
+
+    def _sync(self, sync: Sync, meter: EpochMeter) -> tuple[list[float], bool]:
+        """One all-reduce of the metric totals at every log point since the last sync and
+        of those now, with the stop request and the ranks' step time: writes those train
+        rows, sets when the next sync is due; returns (the totals now, whether to stop)."""
+        step, now = self.progress.step, time.perf_counter()
+        steps = step - sync.step
+        step_s = (now - sync.t) / steps if steps else 0.0
+        snapshots = [snap for snap, _ in sync.rows] + [meter.sums.snapshot()]
+        totals, stop, mean_step_s = reduce_snapshots(
+            self.ctx, snapshots, self.stop.requested, step_s
+        )
+        for (_, (head, mark)), row_totals in zip(sync.rows, totals, strict=False):
+            row = {**head, **meter.row(row_totals, mark)}
+            row.update(gpu_fields(
+                self.module, self.last_inputs, row["samples_per_sec"], self.ctx,
+                self.precision.dtype,
+            ))
+            self.hooks.on_row(self, row)
+        if steps and mean_step_s > 0:  # the same on every rank: it was all-reduced
+            self._sync_every = max(1, min(MAX_SYNC_STEPS, round(SYNC_EVERY_S / mean_step_s)))
+        sync.restart(step, self._sync_every)
+        return totals[-1], stop
+
+    def _first_step_done(self) -> None:
+        self.first_step_s = time.perf_counter() - self._t_fit
+        if self.config.compile:
+            log.info("first step (compilation included) took %.1fs", self.first_step_s)
+
+    def plan(self) -> RunPlan:
+        """The run's arithmetic (see `ddptrain.train.plan`)."""
+        return make_plan(
+            self.config, self.data, self.ctx.world_size, str(self.ctx.device),
+            self.ctx.backend or "none", self.precision.describe(), self.task.name,
+            sum(p.numel() for p in self.module.parameters()), self.choice,
+        )
+
+    def _save_mid_epoch(self, meter: EpochMeter, totals: list[float], stop: bool) -> None:
+        """Checkpoint with the epoch's running totals; on an agreed stop, end the run."""
+        saved = self._may_save()
+        if saved:
+            self.save({"totals": totals, "logged": meter.logged})
+        if stop:
+            self.checkpoints.wait()  # the stop's checkpoint is on disk before the run ends
+        if stop:
+            raise self.stop.error(self.progress.step, saved)
+
+    def _forward_backward(self, batch: Any, micro: Micro, sums: MetricSums) -> Any:
+        """Forward and backward of one micro-batch; gradients are reduced only on the
+        last micro-batch of a window. Returns the model inputs (for FLOP counting)."""
+        inputs, targets = split(to_device(batch, self.ctx.device, self.memory_format))
+        if self.config.compile:
+            mark_batch_dynamic(inputs)
+        with self.strategy.no_backward_sync(self.model, skip=not micro.ends_window):
+            with self.precision.autocast():
+                out = self.call(self.model, inputs)
+            score = self.scorer.score(out, targets, inputs)
+            scale = 0.0 if micro.pad else self._loss_scale(micro)
+            loss = score.loss_sum
+            self.scaler.scale(loss if scale == 1.0 else loss * scale).backward()
+        if not micro.pad:
+            sums.update(score)
+        return inputs
+
+    def _loss_scale(self, micro: Micro) -> float:
+        # DDP averages gradients over the ranks, hence the factor of world size.
+        if self.dynamic:
+            return self.ctx.world_size / self.nominal
+        return self.ctx.world_size / micro.window_samples
+
+    def _new_meter(self) -> EpochMeter:
+        meter = EpochMeter(MetricSums(self.task, self.ctx.device), self.progress.step)
+        saved, self.resumed_meter = self.resumed_meter, None
+        if saved:  # mid-epoch resume: the epoch's figures continue from the checkpoint
+            meter.restore(saved, self.ctx.is_main)
+        return meter
+
+    def _optimizer_step(self, sums: MetricSums) -> bool:
+        """Step unless the gradients are not finite; returns whether it stepped."""
+        cfg = self.config
+        if self.dynamic:
+            self._rescale_to_global_count(sums.window_count())
+        check = cfg.max_bad_steps > 0 and not self.precision.scaler  # fp16: the scaler's job
+        norm = None
+        if cfg.max_grad_norm:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
+            norm = self.strategy.clip_grad_norm(self.params, cfg.max_grad_norm)
+        if not check:
+            good = True
+        elif norm is not None:
+            good = bool(torch.isfinite(norm))
+        else:
+            good = self.strategy.grads_finite(self.params)
+        if good:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return good
+
+    def _rescale_to_global_count(self, count: torch.Tensor) -> None:
+        """Gradients were scaled by a nominal count; make them the mean over the true
+        global count of the window (tokens, or samples of an iterable dataset)."""
+        if self.ctx.distributed:
+            dist.all_reduce(count)
+        factor = self.nominal / count.item() if count.item() > 0 else 0.0
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads and factor != 1.0:
+            torch._foreach_mul_(grads, factor)
+
+    def evaluate(self) -> dict[str, float]:
+        """The task's figures over every validation sample exactly once (collective)."""
+        return self.evaluator.run(self.last_inputs)
+
+    def save(self, meter: dict[str, Any] | None = None, best: bool = False) -> None:
+        """Checkpoint the run where it stands (collective)."""
+        path = self.checkpoints.save(
+            self.progress.step, self.meta_state(meter), self.module, self.optimizer, best
+        )
+        log.info(
+            "checkpoint %s%s%s", path, " (best so far)" if best else "",
+            " (being written in the background)" if self.checkpoints.background else "",
+        )
+
+
+class Sync:
+    """When the next metric all-reduce is due, and the train rows it will complete."""
+
+    def __init__(self, step: int, every: int) -> None:
+        self.rows: list[tuple[torch.Tensor, tuple[dict[str, Any], Any]]] = []
+        self.restart(step, every)
+
+    def restart(self, step: int, every: int) -> None:
+        self.rows.clear()
+        self.step, self.every, self.t = step, every, time.perf_counter()
+
+    def due(self, step: int) -> bool:
+        return step - self.step >= self.every
+
+
+def _better(score: float, best: float, mode: str) -> bool:
+    if score != score:  # NaN is never better
+        return False
+    if best != best:
+        return True
+    return score > best if mode == "max" else score < best
