@@ -96,13 +96,12 @@ def resolve_run(config: TrainingConfig, datasets: Any = None, task: Any = None) 
     """Everything a user can get wrong, checked before the process group starts, so a
     mistake ends the job at once instead of leaving peers waiting for a dead rank."""
     # Imported here so that `--help` and config errors answer without loading torch.
-    from ddptrain.data.sources import bundle_datasets, load_data
+    from ddptrain.data import bundle_datasets, load_data
     from ddptrain.launch.cluster import read_cluster_env
     from ddptrain.launch.process_group import resolve_backend, resolve_device
     from ddptrain.log import setup_logging
-    from ddptrain.parallel.resolve import resolve_strategy
-    from ddptrain.train.precision import resolve_precision
-    from ddptrain.train.tasks import resolve_task
+    from ddptrain.parallel import resolve_strategy
+    from ddptrain.train import resolve_precision, resolve_task
 
     cluster = read_cluster_env()
     setup_logging(cluster.rank)
@@ -207,7 +206,7 @@ def _finished_summary(config: TrainingConfig) -> dict[str, Any] | None:
 
     import torch
 
-    from ddptrain.checkpoint.manager import find_resumable, load_checkpoint
+    from ddptrain.checkpoint import find_resumable, load_checkpoint
 
     source = config.resume_from
     if source is None:
@@ -233,9 +232,8 @@ def _print_dry_run(run: Resolved, model: Any) -> None:
     """The plan and the resolved config, from the same builders a real run uses."""
     import yaml
 
-    from ddptrain.models.factory import create_model
-    from ddptrain.train.plan import format_plan, make_plan
-    from ddptrain.train.tasks import head_size
+    from ddptrain.models import create_model
+    from ddptrain.train import format_plan, head_size, make_plan
 
     config, data, task = run.config, run.data, run.task
     if model is None:
@@ -266,7 +264,7 @@ def _resolve_config(config: TrainingConfig | None, fields: dict[str, Any]) -> Tr
 def _fit(run: Resolved, ctx: Any, model: Any, hooks: Sequence[Any]) -> dict[str, Any]:
     """Build and run the trainer. Its model, optimizer and loaders die with this frame,
     before the process group is destroyed (see `teardown_distributed`)."""
-    from ddptrain.train.trainer import Trainer
+    from ddptrain.train import Trainer
 
     if model is not None and not _is_module(model):
         model = _call_model_factory(model, run.config, run.data, run.task)
@@ -286,7 +284,7 @@ def _is_module(obj: Any) -> bool:
 def _call_model_factory(factory: Callable[..., Any], config: TrainingConfig, data: Any,
                         task: Any) -> Any:
     from ddptrain.plugins import accepted
-    from ddptrain.train.tasks import head_size
+    from ddptrain.train import head_size
 
     facts = {**data.facts.as_kwargs(), "outputs": head_size(task, data.facts)}
     return factory(config, **accepted(factory, facts))

@@ -64,7 +64,7 @@ def _cmd_train(argv: list[str]) -> int:
 
 
 def _cmd_export(argv: list[str]) -> int:
-    from ddptrain.checkpoint.export import export_safetensors
+    from ddptrain.checkpoint import export_safetensors
 
     parser = ErrorParser(prog="ddptrain export", description="Export model weights to safetensors.")
     parser.add_argument(

@@ -24,7 +24,7 @@ from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 
 if TYPE_CHECKING:
-    from ddptrain.parallel.base import Strategy
+    from ddptrain.parallel import Strategy
 
 log = logging.getLogger("ddptrain")
 

@@ -1,0 +1,48 @@
+"""Data: where samples come from and how an epoch's samples fall on ranks and batches.
+
+| module | owns |
+| --- | --- |
+| `sources` | built-in sets, `.npz` / `.npy` files, user factories; the seeded train/val split |
+| `bundle` | `DataBundle` (train, val) and the `DataFacts` a task and a model read |
+| `arrays`, `text` | in-memory and memory-mapped arrays sliced a batch at a time; the chars corpus |
+| `epoch` | the epoch plan: global micro-batches split evenly over ranks, positions |
+| `train_batches`, `iterable`, `validation` | this rank's batches: map-style, iterable, evaluation |
+| `loader` | the DataLoader every path uses |
+| `batch` | any batch: device moves, `(inputs, targets)` or dicts, calling a model, its output |
+"""
+
+from __future__ import annotations
+
+from ddptrain.data.arrays import ArrayDataset, MemmapDataset, TensorBatches
+from ddptrain.data.batch import ModelCall, Output, mark_batch_dynamic, num_samples, split, to_device
+from ddptrain.data.bundle import DataBundle, DataFacts
+from ddptrain.data.epoch import Micro, plan_epoch, samples_dropped, steps_per_epoch
+from ddptrain.data.iterable import IterableBatches
+from ddptrain.data.sources import bundle_datasets, load_data, split_indices
+from ddptrain.data.train_batches import TrainBatches, make_train_batches
+from ddptrain.data.validation import make_val_loader
+
+__all__ = [
+    "ArrayDataset",
+    "DataBundle",
+    "DataFacts",
+    "IterableBatches",
+    "MemmapDataset",
+    "Micro",
+    "ModelCall",
+    "Output",
+    "TensorBatches",
+    "TrainBatches",
+    "bundle_datasets",
+    "load_data",
+    "make_train_batches",
+    "make_val_loader",
+    "mark_batch_dynamic",
+    "num_samples",
+    "plan_epoch",
+    "samples_dropped",
+    "split",
+    "split_indices",
+    "steps_per_epoch",
+    "to_device",
+]

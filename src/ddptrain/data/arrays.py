@@ -102,6 +102,6 @@ def as_targets(y: np.ndarray) -> np.ndarray:
     return y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32)
 
 
-def batched(batch: Any) -> Any:
+def pass_through(batch: Any) -> Any:
     """Collate for datasets whose `__getitems__` already returns a batch."""
     return batch

@@ -16,6 +16,7 @@ from torch.utils.data import (
 
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
+from ddptrain.data.arrays import pass_through
 
 
 def seed_worker(worker_id: int) -> None:
@@ -41,7 +42,7 @@ def make_loader(
     return DataLoader(
         dataset,
         num_workers=workers,
-        collate_fn=batched if batched else None,
+        collate_fn=pass_through if batched else None,
         pin_memory=ctx.device.type == "cuda",  # page-locked memory only helps a GPU copy
         persistent_workers=workers > 0,
         worker_init_fn=seed_worker if workers > 0 else None,

@@ -278,8 +278,8 @@ def main(argv: list[str]) -> int:
 def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
     """The strategy, and what it implies per rank for a model of `--parameters`."""
     from ddptrain.config import TrainingConfig
+    from ddptrain.parallel import resolve_strategy
     from ddptrain.parallel.memory import format_bytes, optimizer_slots
-    from ddptrain.parallel.resolve import resolve_strategy
 
     config = TrainingConfig(strategy=args.strategy, optimizer=args.optimizer)
     choice = resolve_strategy(config, world_size, device)

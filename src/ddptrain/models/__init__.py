@@ -1,0 +1,10 @@
+"""Models: the built-in networks and `create_model`, which builds the one `--model` names
+(a built-in, or a user's `package.module:fn` given the data's facts)."""
+
+from __future__ import annotations
+
+from ddptrain.models.factory import create_model
+from ddptrain.models.gpt import GPT, GPTConfig, build_gpt
+from ddptrain.models.nets import MLP, MiniResNet
+
+__all__ = ["GPT", "MLP", "GPTConfig", "MiniResNet", "build_gpt", "create_model"]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ddptrain.config import TrainingConfig
-from ddptrain.data.bundle import DataBundle
+from ddptrain.data import DataBundle
 from ddptrain.errors import ConfigError
 from ddptrain.models.nets import MLP, MiniResNet
 from ddptrain.plugins import call_factory

@@ -12,7 +12,7 @@ from ddptrain.observe.fields import metric_text
 from ddptrain.observe.hooks import Hook
 
 if TYPE_CHECKING:
-    from ddptrain.train.trainer import Trainer
+    from ddptrain.train import Trainer
 
 
 log = logging.getLogger("ddptrain")

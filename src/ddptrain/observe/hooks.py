@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ddptrain.train.trainer import Trainer
+    from ddptrain.train import Trainer
 
 
 class Hook:

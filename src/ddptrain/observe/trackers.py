@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
     from ddptrain.config import TrainingConfig
     from ddptrain.context import DistributedContext
-    from ddptrain.train.trainer import Trainer
+    from ddptrain.train import Trainer
 
 
 log = logging.getLogger("ddptrain")

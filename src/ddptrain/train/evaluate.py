@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.data.batch import split, to_device
+from ddptrain.data import split, to_device
 from ddptrain.train.metrics import MetricSums
 
 if TYPE_CHECKING:

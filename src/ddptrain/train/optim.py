@@ -6,7 +6,6 @@ import math
 from collections.abc import Callable
 
 import torch
-from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from ddptrain.config import TrainingConfig
@@ -37,11 +36,6 @@ def optimizer_spec(config: TrainingConfig, lr: float) -> tuple[type[torch.optim.
     return torch.optim.SGD, {
         "lr": lr, "momentum": config.momentum, "weight_decay": config.weight_decay
     }
-
-
-def build_optimizer(module: nn.Module, config: TrainingConfig, lr: float) -> torch.optim.Optimizer:
-    cls, kwargs = optimizer_spec(config, lr)
-    return cls([p for p in module.parameters() if p.requires_grad], **kwargs)
 
 
 def build_scheduler(

@@ -14,10 +14,9 @@ import math
 from dataclasses import dataclass
 
 from ddptrain.config import TrainingConfig
-from ddptrain.data.bundle import DataBundle
-from ddptrain.data.epoch import samples_dropped, steps_per_epoch
+from ddptrain.data import DataBundle, samples_dropped, steps_per_epoch
+from ddptrain.parallel import StrategyChoice
 from ddptrain.parallel.memory import format_bytes, optimizer_slots
-from ddptrain.parallel.resolve import StrategyChoice
 from ddptrain.train.optim import peak_lr
 
 

@@ -10,9 +10,7 @@ import torch
 
 from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError
-
-# A context that does nothing, reusable: the step enters one or two per micro-batch.
-NO_CONTEXT = contextlib.nullcontext()
+from ddptrain.parallel import NO_CONTEXT
 
 
 @dataclass(frozen=True)

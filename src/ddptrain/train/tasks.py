@@ -33,8 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ddptrain.data.batch import Output, num_samples
-from ddptrain.data.bundle import DataFacts
+from ddptrain.data import DataFacts, Output, num_samples
 from ddptrain.errors import ConfigError
 
 IGNORE_INDEX = -100  # target positions a language model is not scored on (padding)

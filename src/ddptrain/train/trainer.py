@@ -31,26 +31,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.checkpoint.export import export_safetensors_state
-from ddptrain.checkpoint.manager import Checkpointer
+from ddptrain.checkpoint import Checkpointer, Progress, export_safetensors_state
 from ddptrain.checkpoint.rng import gather_rng_states
-from ddptrain.checkpoint.schema import Progress
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext, gather_to_main
-from ddptrain.data.batch import ModelCall, mark_batch_dynamic, split, to_device
-from ddptrain.data.bundle import DataBundle
-from ddptrain.data.epoch import Micro
-from ddptrain.data.train_batches import make_train_batches
-from ddptrain.data.validation import make_val_loader
+from ddptrain.data import (
+    DataBundle,
+    Micro,
+    ModelCall,
+    make_train_batches,
+    make_val_loader,
+    mark_batch_dynamic,
+    split,
+    to_device,
+)
 from ddptrain.files import atomic_write_text
-from ddptrain.models.factory import create_model
-from ddptrain.observe.console import Console, Curves
+from ddptrain.models import create_model
+from ddptrain.observe import Console, Curves, Hook, Hooks, MetricsWriter
 from ddptrain.observe.flops import gpu_fields
-from ddptrain.observe.hooks import Hook, Hooks
 from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.trackers import tracker_hooks
-from ddptrain.observe.writer import MetricsWriter
-from ddptrain.parallel.resolve import StrategyChoice, resolve_strategy
+from ddptrain.parallel import StrategyChoice, resolve_strategy
 from ddptrain.train.evaluate import Evaluator
 from ddptrain.train.metrics import EpochMeter, MetricSums, reduce_snapshots
 from ddptrain.train.optim import build_scheduler, optimizer_spec, peak_lr

@@ -1,0 +1,141 @@
+"""The package's shape: no import cycles, and imports that run downward through the layers.
+
+    launch -> train -> observe, checkpoint -> parallel, models -> data -> core
+
+Read from the source (every import, also those inside functions, but not those under
+`if TYPE_CHECKING:`), so a cycle shows here before it shows as a partially initialised
+module at run time. docs/ARCHITECTURE.md draws the same layers.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PACKAGE = SRC / "ddptrain"
+
+# Each folder's layer; a module may import its own folder and any lower layer.
+LAYERS = {
+    "core": 0, "data": 1, "models": 2, "parallel": 2, "checkpoint": 3, "observe": 3,
+    "train": 4, "launch": 5, "entry": 6,
+}
+ENTRY = {"api", "cli", "__main__"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _runtime_imports(tree: ast.AST) -> list[str]:
+    """Every `ddptrain...` module a file imports, skipping `if TYPE_CHECKING:` blocks."""
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append(node.module)
+            found.extend(f"{node.module}.{a.name}" for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return [name for name in found if name.split(".")[0] == "ddptrain"]
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> modules whose import runs it: the target, and the packages above the
+    target that are not already above the importer (Python runs those first)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        mine = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for target in _runtime_imports(ast.parse(path.read_text())):
+            if target not in modules:
+                continue  # `from pkg import name`: the name, not a module
+            parts = target.split(".")
+            for i in range(2, len(parts) + 1):
+                prefix = ".".join(parts[:i])
+                if prefix in modules and not (mine + ".").startswith(prefix + "."):
+                    edges.add(prefix)
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def _layer(module: str) -> tuple[str, int]:
+    parts = module.split(".")
+    if len(parts) == 1 or (len(parts) == 2 and parts[1] not in ENTRY
+                           and (PACKAGE / f"{parts[1]}.py").exists()):
+        return "core", LAYERS["core"]
+    if len(parts) == 2 and parts[1] in ENTRY:
+        return "entry", LAYERS["entry"]
+    return parts[1], LAYERS[parts[1]]
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (found := walk(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := walk(node)):
+            return found
+    return None
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_imports_run_downward_through_the_layers() -> None:
+    upward = []
+    for module, targets in sorted(_graph().items()):
+        folder, rank = _layer(module)
+        for target in sorted(targets):
+            other, other_rank = _layer(target)
+            if other != folder and other_rank >= rank:
+                upward.append(f"{module} ({folder}) imports {target} ({other})")
+    assert not upward, "\n".join(upward)
+
+
+def test_every_folder_is_a_known_layer() -> None:
+    folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert folders <= set(LAYERS), f"add {sorted(folders - set(LAYERS))} to LAYERS"
+
+
+@pytest.mark.parametrize("broken", ["cycle", "upward"])
+def test_the_checks_see_what_they_guard(broken: str) -> None:
+    graph = {k: set(v) for k, v in _graph().items()}
+    if broken == "cycle":
+        graph["ddptrain.data.epoch"].add("ddptrain.train.trainer")
+        assert _cycle(graph) is not None
+    else:
+        assert _layer("ddptrain.data.epoch")[1] < _layer("ddptrain.train.trainer")[1]
