@@ -19,14 +19,27 @@ from ddptrain.checkpoint.pt import LATEST, list_checkpoints, save_checkpoint
 from ddptrain.cli import main
 
 
-def _write_until_killed(directory: Path, step: int) -> None:
-    """Child: 8 MB checkpoints, one after another, until SIGKILL."""
+def _write_until_killed(directory: Path, step: int, progress: int) -> None:
+    """Child: 8 MB checkpoints, one after another, until SIGKILL; after each write it
+    reports the step on the `progress` pipe."""
     ctx = DistributedContext(0, 0, 1, torch.device("cpu"))
     blob = torch.zeros(2_000_000)
     while True:
         step += 1
         state = {"step": step, "model_state_dict": {"w": blob, "tag": torch.tensor([step])}}
         save_checkpoint(directory, step, state, ctx, keep_last=2)
+        os.write(progress, b"%d\n" % step)
+
+
+def _await_writes(progress: int, k: int) -> float:
+    """Block until the child has reported `k` completed writes; returns the mean seconds
+    one write took, so a delay drawn from it lands inside the next write at any load."""
+    t0, done = time.monotonic(), 0
+    while done < k:
+        chunk = os.read(progress, 4096)
+        assert chunk, f"the writer died after {done} completed writes"
+        done += chunk.count(b"\n")
+    return (time.monotonic() - t0) / done
 
 
 def test_kill_during_checkpoint_writes_never_leaves_a_broken_newest(tmp_path: Path) -> None:
@@ -34,22 +47,31 @@ def test_kill_during_checkpoint_writes_never_leaves_a_broken_newest(tmp_path: Pa
     rng = random.Random(0)
     step, trials, torn = 0, 30, 0
     for _ in range(trials):
-        # fork: the child starts writing at once, so kills land at every phase of a write
+        # The kill comes after the child's k-th completed write (counted, not timed),
+        # then a random part of one write later: kills land at every phase of a write,
+        # however busy the machine is.
+        k = rng.randint(1, 3)
+        progress, report = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
-                _write_until_killed(directory, step)
+                os.close(progress)
+                _write_until_killed(directory, step, report)
             finally:
                 os._exit(1)
-        time.sleep(rng.uniform(0.0, 0.3))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        os.close(report)
+        try:
+            write_s = _await_writes(progress, k)
+            time.sleep(rng.uniform(0.0, write_s))
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(progress)
         torn += any(directory.glob(".*.tmp"))
         found = find_resumable(directory, torch.device("cpu"))
-        if found is None:  # killed before its first file landed
-            assert not list_checkpoints(directory)
-            continue
+        assert found is not None, f"no checkpoint loads after {k} completed writes"
         _, payload = found
+        assert payload["step"] >= step + k  # every completed write is kept
         assert int(payload["model_state_dict"]["tag"]) == payload["step"]
         # latest.pt is whole and is the newest state written, even when the kill came
         # before that state's step file got its name.

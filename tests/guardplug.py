@@ -1,0 +1,195 @@
+"""User code for tests/test_guarantees.py, named as `--dataset guardplug:NAME` /
+`--model guardplug:NAME`: a model with dropout and a dataset with random augmentation
+(the RNG states a resume must restore), a stream that shuffles by its epoch, a model
+that records the samples it trains on, and a validation set that gets worse as training
+goes on (the best epoch is the first).
+
+Two environment variables steer the models without changing the run's config, so a
+killed run and its resume are the same run:
+  GUARD_KILL_AT=N    the process of rank GUARD_KILL_RANK (default 1) SIGKILLs itself at
+                     its N-th training forward: a kill at an exact step, at any load
+  GUARD_RECORD=DIR   the recorder appends the sample ids of each training batch to
+                     DIR/rank<R>.txt, one line per batch
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+class _KillSwitch:
+    """SIGKILL this process at its GUARD_KILL_AT-th training forward."""
+
+    def __init__(self) -> None:
+        at = os.environ.get("GUARD_KILL_AT")
+        victim = int(os.environ.get("GUARD_KILL_RANK", "1"))
+        self.at = int(at) if at and _rank() == victim else 0
+        self.forwards = 0
+
+    def tick(self) -> None:
+        self.forwards += 1
+        if self.at and self.forwards == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- RNG: dropout + augmentation
+class DropoutNet(nn.Module):
+    def __init__(self, in_features: int, outputs: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(in_features, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, outputs)
+        )
+        self.kill = _KillSwitch()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.kill.tick()
+        return self.net(x)
+
+
+def dropout_net(config: Any, input_shape: tuple[int, ...], outputs: int) -> nn.Module:
+    return DropoutNet(input_shape[0], outputs)
+
+
+class Augmented(Dataset):
+    """Map-style samples; with `noise`, each read adds fresh noise drawn from torch's,
+    numpy's and Python's global generators: all three are part of a rank's RNG state."""
+
+    num_classes = 2
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, noise: float) -> None:
+        self.x, self.y, self.noise = x, y, noise
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.x[i]
+        if self.noise:
+            jitter = torch.from_numpy(np.random.normal(0.0, self.noise, x.shape))
+            scale = random.uniform(0.8, 1.2)
+            x = scale * (x + self.noise * torch.randn(x.shape) + jitter.float())
+        return x, self.y[i]
+
+
+def augmented(config: Any, n: int = 240) -> tuple[Dataset, Dataset]:
+    # ddptrain seeds torch per rank (seed + rank) but not numpy's and Python's global
+    # generators in the training process, so the dataset seeds them, the same way.
+    np.random.seed(config.seed + _rank())
+    random.seed(config.seed + _rank())
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n, 4, generator=g)
+    y = (x[:, 0] - x[:, 1] > 0).long()
+    cut = n * 4 // 5
+    return Augmented(x[:cut], y[:cut], noise=0.3), Augmented(x[cut:], y[cut:], noise=0.0)
+
+
+# ---------------------------------------------------------------- a stream shuffled by epoch
+class EpochStream(IterableDataset):
+    """Samples 0..n-1 in an order drawn from (seed, epoch): a new order every epoch once
+    `set_epoch` says which. Feature 0 is the sample id."""
+
+    num_classes = 2
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor([float(i), (i % 5) / 5.0, (i % 3) / 3.0]), torch.tensor(i % 2)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for i in self.order():
+            yield self.sample(i)
+
+
+class StatefulEpochStream(EpochStream):
+    """The same, able to say where it stands in its epoch's order (exact mid-epoch
+    resume); its state is the position alone, as the README describes it."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        super().__init__(n, seed)
+        self.pos = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        begin, self.pos = self.pos, 0
+        for k, i in enumerate(self.order()):
+            if k >= begin:
+                self.pos = k + 1
+                yield self.sample(i)
+        self.pos = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+def epoch_stream(
+    config: Any, n: int = 64, stateful: bool = False
+) -> tuple[IterableDataset, Dataset]:
+    cls = StatefulEpochStream if stateful else EpochStream
+    train = cls(n, config.seed)
+    x = torch.stack([train.sample(i)[0] for i in range(16)])
+    return train, TensorDataset(x, torch.arange(16) % 2)
+
+
+class Recorder(nn.Module):
+    """A linear model that writes down the sample ids (feature 0) it trains on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(3, 2)
+        self.kill = _KillSwitch()
+        where = os.environ.get("GUARD_RECORD")
+        self.log = Path(where) / f"rank{_rank()}.txt" if where else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.kill.tick()
+            if self.log is not None:
+                with self.log.open("a") as f:
+                    f.write(" ".join(str(int(v)) for v in x[:, 0].tolist()) + "\n")
+        return self.net(x)
+
+
+def recorder(config: Any) -> nn.Module:
+    return Recorder()
+
+
+# ---------------------------------------------------------------- the best epoch comes first
+class _Labelled(TensorDataset):
+    num_classes = 2
+
+
+def flipped(config: Any, n: int = 320) -> tuple[Dataset, Dataset]:
+    """Validation labels are the opposite of the training rule: the better the model
+    learns, the worse it validates, so the best epoch is the first."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(n, 4, generator=g)
+    y = (x[:, 0] + x[:, 1] > 0).long()
+    cut = n * 3 // 4
+    return _Labelled(x[:cut], y[:cut]), _Labelled(x[cut:], 1 - y[cut:])
