@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddptrain.context import DistributedContext
 from safetensors.torch import load_file
 
 from ddptrain.checkpoint.manager import find_resumable, load_checkpoint
 from ddptrain.checkpoint.pt import LATEST, list_checkpoints, save_checkpoint
 from ddptrain.cli import main
+from ddptrain.context import DistributedContext
 
 
 def _write_until_killed(directory: Path, step: int, progress: int) -> None:

@@ -5,10 +5,6 @@ every rank's RNG state is restored, an iterable dataset is told its epoch, and
 Each test drives the CLI with the user code in `guardplug.py` and reads the results from
 the run directory. A kill is the model SIGKILLing its own process at a given training
 forward (GUARD_KILL_AT), so it lands at the same step however busy the machine is.
-
-The tests marked xfail(strict=True) pin down bugs in src that break the same guarantees
-(their reasons say which); once a fix lands they pass, and strict makes that a failure
-until the marker is removed.
 """
 
 from __future__ import annotations
@@ -133,8 +129,6 @@ def test_an_iterable_dataset_is_told_the_epoch_also_after_a_resume(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="src bug: IterableBatches.epoch skips set_epoch on "
-                   "a mid-epoch resume, so the stream replays the order of epoch 0")
 def test_a_stateful_stream_resumed_mid_epoch_keeps_its_epochs_order(
     stream_reference: Path, tmp_path: Path
 ) -> None:
@@ -159,8 +153,6 @@ def test_a_stateful_stream_resumed_mid_epoch_keeps_its_epochs_order(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="src bug: persistent DataLoader workers keep the copy "
-                   "of the stream they were started with, so set_epoch never reaches them")
 def test_an_iterable_dataset_in_loader_workers_is_told_the_epoch(tmp_path: Path) -> None:
     record = _stream_run(tmp_path, "workers", [
         "--num_workers", "2", "--output_dir", str(tmp_path / "run")
@@ -170,9 +162,6 @@ def test_an_iterable_dataset_in_loader_workers_is_told_the_epoch(tmp_path: Path)
     assert second != first, "epoch 2 trained on epoch 1's order: set_epoch never arrived"
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: data._probe reads the first training sample "
-                   "with next(iter(train)), which moves a stateful stream's position on: "
-                   "epoch 1 starts at its second sample")
 def test_reading_the_datas_facts_does_not_consume_a_stateful_stream(tmp_path: Path) -> None:
     record = tmp_path / "record"
     record.mkdir()

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from ddptrain.context import DistributedContext
 from torch import nn
 
 from ddptrain.cli import main
+from ddptrain.context import DistributedContext
 from ddptrain.observe.flops import count_flops, gpu_fields, mfu, peak_flops
 from ddptrain.observe.writer import MetricsWriter
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 import yaml
 from conftest import run_torchrun
-from ddptrain.context import DistributedContext
 
 from ddptrain import fit
 from ddptrain.cli import main
 from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError, Preempted
 from ddptrain.observe.hooks import Hook
 from ddptrain.observe.trackers import (

@@ -14,6 +14,14 @@ from ddptrain.context import DistributedContext, gather_to_main
 
 
 # ---------------------------------------------------------------------- RNG state
+def seed_process(seed: int) -> None:
+    """Seed every generator a checkpoint saves (python, numpy, torch and CUDA), so that a
+    run's augmentations repeat with its `--seed` whichever library draws them."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def rng_state(device: torch.device) -> dict[str, Any]:
     """This process's random generators, as weights-only-loadable values."""
     kind, key, pos, has_gauss, gauss = np.random.get_state()

@@ -115,9 +115,11 @@ class IterableBatches:
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[Any, Micro, float]]:
         """(batch, its place, seconds waited) for each micro-batch of the epoch. The
         position counts micro-batches; `start` > 0 continues a resumed epoch."""
+        # Told the epoch also when it resumes part-way: a stream that shuffles by epoch
+        # continues the same order from its restored position.
+        self.shard.set_epoch(epoch)
         if not self._resumed:
             start = 0
-            self.shard.set_epoch(epoch)
         self._resumed = False
         it = iter(self.loader)
         batch, ok, waited, state = self._pull(it)
@@ -148,4 +150,8 @@ def make_iterable_loader(
     batch_size: int | None = None,
 ) -> DataLoader:
     shard = RankShard(dataset, ctx.world_size, ctx.rank)
-    return make_loader(shard, config, ctx, batch_size=batch_size or config.batch_size)
+    # Workers that persisted across epochs would keep the copy of the stream they started
+    # with, and never hear of `set_epoch`: an iterable's workers start anew each epoch.
+    return make_loader(
+        shard, config, ctx, batch_size=batch_size or config.batch_size, persistent=False
+    )

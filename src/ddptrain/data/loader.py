@@ -33,7 +33,8 @@ def seed_worker(worker_id: int) -> None:
 
 
 def make_loader(
-    dataset: Dataset, config: TrainingConfig, ctx: DistributedContext, **kwargs: Any
+    dataset: Dataset, config: TrainingConfig, ctx: DistributedContext, persistent: bool = True,
+    **kwargs: Any,
 ) -> DataLoader:
     generator = torch.Generator()
     generator.manual_seed(config.seed + ctx.rank)
@@ -44,7 +45,7 @@ def make_loader(
         num_workers=workers,
         collate_fn=pass_through if batched else None,
         pin_memory=ctx.device.type == "cuda",  # page-locked memory only helps a GPU copy
-        persistent_workers=workers > 0,
+        persistent_workers=persistent and workers > 0,
         worker_init_fn=seed_worker if workers > 0 else None,
         generator=generator,
         **kwargs,

@@ -257,10 +257,21 @@ def _attr(dataset: Any, name: str) -> Any:
     return None
 
 
+def _first_of_stream(stream: IterableDataset) -> Any:
+    """A stream's first item, leaving a stream that keeps its position where it stood."""
+    stateful = all(hasattr(stream, n) for n in ("state_dict", "load_state_dict"))
+    saved = stream.state_dict() if stateful else None  # type: ignore[attr-defined]
+    try:
+        return next(iter(stream))
+    finally:
+        if stateful:
+            stream.load_state_dict(saved)  # type: ignore[attr-defined]
+
+
 def _probe(train: Dataset, config: TrainingConfig) -> DataFacts:
     """Read the facts a task and a model need from the first training sample."""
     try:
-        sample = next(iter(train)) if isinstance(train, IterableDataset) else train[0]
+        sample = _first_of_stream(train) if isinstance(train, IterableDataset) else train[0]
     except (IndexError, StopIteration):
         raise ConfigError(f"--dataset {config.dataset!r} holds no training samples") from None
     dict_batches = isinstance(sample, dict)

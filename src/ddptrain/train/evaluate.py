@@ -11,44 +11,55 @@ batches runs extra forwards whose outputs it does not count.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from ddptrain.data import split, to_device
+from ddptrain.context import DistributedContext
+from ddptrain.data import ModelCall, split, to_device
+from ddptrain.parallel import Strategy
 from ddptrain.train.metrics import MetricSums
-
-if TYPE_CHECKING:
-    from ddptrain.train.trainer import Trainer
+from ddptrain.train.precision import Precision
+from ddptrain.train.tasks import Scorer
 
 
 class Evaluator:
-    """Validation of a trainer's module over its validation loader (collective)."""
+    """Validation of the plain module over this rank's validation loader (collective).
 
-    def __init__(self, trainer: Trainer, loader: Iterable[Any]) -> None:
-        self.trainer, self.loader = trainer, loader
+    It holds the parts it uses, never the trainer: a trainer in a reference cycle would be
+    freed by the cyclic collector, which finalises DataLoader iterators in no set order
+    and can leave their worker processes behind (and the job waiting for them at exit)."""
+
+    def __init__(
+        self, module: nn.Module, call: ModelCall, scorer: Scorer, precision: Precision,
+        strategy: Strategy, ctx: DistributedContext, loader: Iterable[Any],
+        memory_format: torch.memory_format | None,
+    ) -> None:
+        self.module, self.call, self.scorer, self.precision = module, call, scorer, precision
+        self.strategy, self.ctx, self.loader = strategy, ctx, loader
+        self.memory_format = memory_format
 
     @torch.no_grad()
     def run(self, filler: Any) -> dict[str, float]:
         """`filler`: model inputs for the forwards a rank runs in step with its peers
         once its own shard is done (fsdp)."""
-        t = self.trainer
-        ctx, module, precision = t.ctx, t.module, t.precision
+        ctx, module, precision = self.ctx, self.module, self.precision
         if ctx.distributed:
             for buf in module.buffers():
                 dist.broadcast(buf, src=0)
         module.eval()
-        sums = MetricSums(t.task, ctx.device)
+        sums = MetricSums(self.scorer.task, ctx.device)
         for batch in self._batches():
             if batch is None:  # this rank is done, a peer is not: forward in step with it
                 with precision.autocast():
-                    t.call(module, filler)
+                    self.call(module, filler)
                 continue
-            inputs, targets = split(to_device(batch, ctx.device, t.memory_format))
+            inputs, targets = split(to_device(batch, ctx.device, self.memory_format))
             with precision.autocast():
-                out = t.call(module, inputs)
-            sums.update(t.scorer.score(out, targets, inputs))
+                out = self.call(module, inputs)
+            sums.update(self.scorer.score(out, targets, inputs))
             filler = inputs
         sums.commit()
         module.train()
@@ -57,14 +68,13 @@ class Evaluator:
     def _batches(self) -> Iterator[Any]:
         """This rank's validation batches; under a strategy whose forward is collective,
         then None until every rank has run out (one flag all-reduced per batch)."""
-        if not self.trainer.strategy.even_forwards:
+        if not self.strategy.even_forwards:
             yield from self.loader
             return
-        device = self.trainer.ctx.device
         batches = iter(self.loader)
         while True:
             batch = next(batches, None)
-            more = torch.tensor([float(batch is not None)], device=device)
+            more = torch.tensor([float(batch is not None)], device=self.ctx.device)
             dist.all_reduce(more, op=dist.ReduceOp.MAX)
             if not more.item():
                 return

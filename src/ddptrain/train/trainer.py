@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain.checkpoint import Checkpointer, Progress, export_safetensors_state
-from ddptrain.checkpoint.rng import gather_rng_states
+from ddptrain.checkpoint.rng import gather_rng_states, seed_process
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext, gather_to_main
 from ddptrain.data import (
@@ -127,9 +127,12 @@ class Trainer:
             self.writer, Console(), StepProfiler(config, ctx, self.steps_per_epoch),
             Curves(sync=config.tracker != "none"), *tracker_hooks(config, ctx), *hooks,
         ])
-        torch.manual_seed(config.seed + ctx.rank)  # per-rank randomness (dropout, user aug.)
+        seed_process(config.seed + ctx.rank)  # per-rank randomness (dropout, user aug.)
         self.checkpoints = Checkpointer(config, ctx, self.strategy, self.choice.checkpoint_kind)
-        self.evaluator = Evaluator(self, self.val_loader)
+        self.evaluator = Evaluator(
+            self.module, self.call, self.scorer, self.precision, self.strategy, ctx,
+            self.val_loader, self.memory_format,
+        )
         self.resumed_from = restore(self)
         self.last_inputs: Any = None  # model inputs of the newest micro-batch (FLOPs, fsdp eval)
         if config.compile:
