@@ -5,9 +5,9 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-0.1
+STAMP  := $(VENV)/.installed-0.2
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-fast lint typecheck clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 test: $(STAMP) slurm-deps
 	$(PY) -m pytest -q
+
+# The pure-logic and single-process tier (about 2 minutes): what to run while editing.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 # Slurm and munge for the Slurm tests (tests/test_slurm.py): installed only when missing,
 # and only by root with apt-get; anywhere else nothing happens and those tests skip.
@@ -42,6 +46,9 @@ slurm-deps:
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf runs .pytest_cache

@@ -14,6 +14,7 @@ gloo groups and real torchrun.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import time
@@ -286,3 +287,52 @@ def test_bad_sharding_settings_are_one_line_each(tmp_path: Path) -> None:
         "ddptrain: error: --async_checkpoint True is invalid: background saves write DCP "
         "step directories: add --checkpoint_format dcp (or use --strategy zero / fsdp)"
     ]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"fsdp_wrap": "Block"}, "--fsdp_wrap 'Block' is an fsdp setting and --strategy is 'ddp'"),
+    ({"reshard_after_forward": False, "strategy": "zero"},
+     "--no-reshard_after_forward is an fsdp setting and --strategy is 'zero'"),
+    ({"fsdp_cpu_offload": True}, "--fsdp_cpu_offload is an fsdp setting"),
+    ({"fsdp_cpu_offload": True, "strategy": "fsdp"}, "--fsdp_cpu_offload is invalid on CPU"),
+])
+def test_a_flag_of_another_strategy_is_refused_not_ignored(
+    flags: dict[str, Any], message: str
+) -> None:
+    from ddptrain.config import TrainingConfig
+    from ddptrain.errors import ConfigError
+    from ddptrain.parallel import resolve_strategy
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve_strategy(TrainingConfig(**flags), 2, "cpu")
+
+
+def test_the_strategy_is_decided_once_with_what_it_implies() -> None:
+    from ddptrain.config import TrainingConfig
+    from ddptrain.parallel import FSDP, Strategy, resolve_strategy
+
+    one = resolve_strategy(TrainingConfig(strategy="fsdp"), 1, "cpu")
+    assert (one.name, one.cls, one.checkpoint_kind) == ("single process", Strategy, "dcp")
+    with pytest.raises(Exception, match="fsdp_cpu_offload is invalid on one process"):
+        resolve_strategy(TrainingConfig(strategy="fsdp", fsdp_cpu_offload=True), 1, "cuda")
+    four = resolve_strategy(TrainingConfig(strategy="fsdp", optimizer="adamw"), 4, "cpu")
+    assert (four.name, four.cls, four.checkpoint_kind) == ("fsdp", FSDP, "dcp")
+    assert four.rank_bytes(1000, 2) == {"params": 1000, "grads": 1000, "optimizer": 2000}
+    ddp = resolve_strategy(TrainingConfig(), 4, "cpu")
+    assert ddp.checkpoint_kind == "file"
+    assert ddp.rank_bytes(1000, 1) == {"params": 4000, "grads": 4000, "optimizer": 4000}
+
+
+def test_an_ignored_strategy_flag_stops_the_run_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    from conftest import run_cli
+
+    run = tmp_path / "r"
+    proc = run_cli(["train", "--fsdp_wrap", "Linear", "--output_dir", str(run)], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "ddptrain: error: --fsdp_wrap 'Linear' is an fsdp setting and --strategy is 'ddp': "
+        "add --strategy fsdp, or drop the flag"
+    ]
+    assert not run.exists()

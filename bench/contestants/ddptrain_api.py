@@ -40,8 +40,8 @@ from bench.common import (  # noqa: E402
     workload_config,
 )
 from ddptrain.config import TrainingConfig  # noqa: E402
-from ddptrain.launch.cluster import read_cluster_env
-from ddptrain.launch.process_group import setup_distributed, teardown_distributed
+from ddptrain.launch.cluster import read_cluster_env  # noqa: E402
+from ddptrain.launch.process_group import setup_distributed, teardown_distributed  # noqa: E402
 from ddptrain.observe.hooks import Hook  # noqa: E402
 from ddptrain.train.trainer import Trainer  # noqa: E402
 

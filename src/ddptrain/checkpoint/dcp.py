@@ -25,7 +25,6 @@ import re
 import shutil
 import time
 import warnings
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +94,7 @@ class ShardedCheckpointer:
         # The background thread's collectives must not interleave with the training
         # loop's on the default group.
         self.group = dist.new_group(backend="gloo") if background and ctx.distributed else None
-        self._pending: tuple[Future[Any], Path, Path, dict[str, Any], bool] | None = None
+        self._pending: tuple[Any, Path, Path, dict[str, Any], bool] | None = None  # a Future
         self.blocking_s: list[float] = []  # time each save held up training
 
     def save(self, step: int, meta: dict[str, Any], state: dict[str, Any], best: bool) -> Path:

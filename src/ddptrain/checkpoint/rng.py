@@ -24,10 +24,11 @@ def seed_process(seed: int) -> None:
 
 def rng_state(device: torch.device) -> dict[str, Any]:
     """This process's random generators, as weights-only-loadable values."""
-    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
+        "numpy": [kind, torch.from_numpy(np.asarray(key).astype(np.int64)), pos, has_gauss,
+                  gauss],
         "torch": torch.get_rng_state(),
     }
     if device.type == "cuda":

@@ -19,11 +19,12 @@ from ddptrain.data.bundle import DataBundle, DataFacts
 from ddptrain.data.epoch import Micro, plan_epoch, samples_dropped, steps_per_epoch
 from ddptrain.data.iterable import IterableBatches
 from ddptrain.data.sources import bundle_datasets, load_data, split_indices
-from ddptrain.data.train_batches import TrainBatches, make_train_batches
+from ddptrain.data.train_batches import Batches, TrainBatches, make_train_batches
 from ddptrain.data.validation import make_val_loader
 
 __all__ = [
     "ArrayDataset",
+    "Batches",
     "DataBundle",
     "DataFacts",
     "IterableBatches",

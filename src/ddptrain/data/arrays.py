@@ -59,7 +59,7 @@ class TensorBatches(ArrayDataset):
     def __getitem__(self, i: int) -> Any:
         return tuple(t[0] for t in self.batch(torch.tensor([i])))
 
-    def batch(self, idx: torch.Tensor) -> Any:  # type: ignore[override]
+    def batch(self, idx: torch.Tensor) -> Any:
         if self.rows is not None:
             idx = self.rows[idx]
         return tuple(t[idx] for t in self.tensors)

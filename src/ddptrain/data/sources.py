@@ -154,10 +154,10 @@ def _synthetic(config: TrainingConfig) -> DataBundle:
 def _chars(config: TrainingConfig) -> DataBundle:
     from ddptrain.data.text import char_lm_datasets
 
-    train, val, vocab, _ = char_lm_datasets(config.block_size, val_fraction(config), config.seed)
-    train, val = ArrayDataset(train.x, train.y), ArrayDataset(val.x, val.y)
+    windows = char_lm_datasets(config.block_size, val_fraction(config), config.seed)
+    train, val, vocab = windows[0], windows[1], windows[2]
     facts = DataFacts((config.block_size,), (config.block_size,), False, vocab_size=vocab)
-    return DataBundle(train, val, facts)
+    return DataBundle(ArrayDataset(train.x, train.y), ArrayDataset(val.x, val.y), facts)
 
 
 def _npz(config: TrainingConfig) -> DataBundle:

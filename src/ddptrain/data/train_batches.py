@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import (
@@ -35,6 +35,21 @@ class PlanSampler(torch.utils.data.Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self.batches)
+
+
+class Batches(Protocol):
+    """This rank's training batches, whatever the dataset: what the loop and a resume use."""
+
+    steps_per_epoch: int
+    stateful: bool  # whether `state_dict` holds a position inside an epoch
+
+    def epoch(self, epoch: int, start: int) -> Iterator[tuple[Any, Micro, float]]:
+        """(batch, its place in the epoch, seconds waited for it), from position `start`."""
+        ...
+
+    def state_dict(self) -> dict[str, Any] | None: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class TrainBatches:
@@ -73,6 +88,9 @@ class TrainBatches:
     def state_dict(self) -> None:
         return None
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass  # nothing to restore: the plan is a function of (seed, epoch, position)
+
     def epoch(self, epoch: int, start: int) -> Iterator[tuple[Any, Micro, float]]:
         """(batch, its place in the plan, seconds waited for it) from position `start`."""
         order, plan = self.plan(epoch, start)
@@ -88,13 +106,14 @@ class TrainBatches:
             for m in plan:
                 yield dataset.batch(order[m.lo : m.hi])
             return
+        assert self.loader is not None  # not in-process: a DataLoader was built
         self.sampler.batches = [order[m.lo : m.hi].tolist() for m in plan]
-        yield from self.loader  # type: ignore[union-attr]
+        yield from self.loader
 
 
 def make_train_batches(
     dataset: Dataset, config: TrainingConfig, ctx: DistributedContext
-) -> TrainBatches | IterableBatches:
+) -> Batches:
     if isinstance(dataset, IterableDataset):
         return IterableBatches(dataset, config, ctx)
     return TrainBatches(dataset, config, ctx)

@@ -21,7 +21,7 @@ import secrets
 import socket
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import yaml
 
@@ -86,7 +86,7 @@ def resolve_layout(config: TrainingConfig, world_size: int) -> TrainingConfig:
     """The run's directory and accumulation, as this launch resolves them."""
     import dataclasses
 
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}
     if config.output_dir is None:
         changes["output_dir"] = default_output_dir(config)
     g = config.global_batch_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from ddptrain.files import atomic_write_text
 from ddptrain.observe.hooks import Hook
@@ -26,7 +26,7 @@ class MetricsWriter(Hook):
         self.path, self.run_id = path, run_id
         self.enabled = enabled
         self.tensorboard_dir = tensorboard_dir
-        self._file = None
+        self._file: TextIO | None = None
         self._tb: Any = None
         self._pending: list[tuple[Any, int]] = []
         self._handed_at = time.monotonic()

@@ -171,7 +171,7 @@ def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.tolocal_tensor() if hasattr(t, "to_local") else t
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def to_cpu(v: Any) -> Any:

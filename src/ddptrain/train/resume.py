@@ -104,10 +104,10 @@ def _place_schedule(trainer: Trainer, applied: list[str]) -> None:
         )
     sched.base_lrs = [peak_lr(cfg, world_size)] * len(groups)
     sched.last_epoch = position
-    sched._last_lr = [  # type: ignore[attr-defined]
+    sched._last_lr = [
         base * fn(position) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)
     ]
-    for group, lr in zip(groups, sched._last_lr, strict=True):  # type: ignore[attr-defined]
+    for group, lr in zip(groups, sched._last_lr, strict=True):
         group["lr"] = lr
     if applied:
         log.warning(

@@ -333,7 +333,7 @@ def resolve_task(config: Any, facts: DataFacts) -> Task:
 def _auto_task(facts: DataFacts) -> str:
     if facts.target_is_float:
         return "regression"
-    if facts.vocab_size is not None or len(facts.target_shape) == 1:
+    if facts.vocab_size is not None or len(facts.target_shape or ()) == 1:
         return "lm"  # a sequence of integer targets per sample: tokens
     return "classification"
 

@@ -102,7 +102,7 @@ class Trainer:
         self._setup_data()
         # Wrapped (or sharded in place) before the optimizer sees the parameters: under
         # fsdp they become shards, and a checkpoint loads into the shards.
-        self.model = self.strategy.setup_module(self.module)
+        self.model: Any = self.strategy.setup_module(self.module)  # maybe compiled below
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = self.strategy.build_optimizer(
             self.module, optimizer_spec(config, peak_lr(config, ctx.world_size))
@@ -151,7 +151,7 @@ class Trainer:
             module = create_model(cfg, self.data, head_size(self.task, self.data.facts), device)
         module = module.to(device)
         if cfg.channels_last:
-            module = module.to(memory_format=torch.channels_last)
+            module = module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         return module
 
     @property
