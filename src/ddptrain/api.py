@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError, TrainingStopped
@@ -35,6 +35,14 @@ from ddptrain.launch.rundir import (
     resume_source,
     saved_run_id,
 )
+
+if TYPE_CHECKING:  # torch and what needs it load once a run starts, not for `--help`
+    import torch
+
+    from ddptrain.data import DataBundle
+    from ddptrain.launch.cluster import ClusterEnv
+    from ddptrain.parallel import StrategyChoice
+    from ddptrain.train import Precision, Task
 
 log = logging.getLogger("ddptrain")
 
@@ -60,13 +68,13 @@ class Resolved:
     config, who this process is, its device, backend, precision, strategy, data and task."""
 
     config: TrainingConfig
-    cluster: Any  # launch.cluster.ClusterEnv
-    device: Any  # torch.device
+    cluster: ClusterEnv
+    device: torch.device
     backend: str | None  # None: world size 1, no process group
-    precision: Any  # train.precision.Precision
-    strategy: Any  # parallel.resolve.StrategyChoice
-    data: Any  # data.bundle.DataBundle
-    task: Any  # train.tasks.Task
+    precision: Precision
+    strategy: StrategyChoice
+    data: DataBundle
+    task: Task
 
 
 def fit(

@@ -43,17 +43,9 @@ from ddptrain.context import DistributedContext
 from ddptrain.files import atomic_write_text, fsync_dir
 
 META = "meta.pt"
-
-
 LATEST_DIR = "latest"
-
-
 BEST_DIR = "best"
-
-
 _DIR = re.compile(r"^step_(\d+)$")
-
-
 _PARTIAL = re.compile(r"^\.step_(\d+)\.partial$")
 
 

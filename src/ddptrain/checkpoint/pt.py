@@ -14,11 +14,7 @@ from ddptrain.checkpoint.common import agree_on_write, atomic_save, stamped
 from ddptrain.context import DistributedContext
 
 LATEST = "latest.pt"
-
-
 BEST = "best.pt"  # the best epoch's state by the task's metric; never pruned
-
-
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 
 

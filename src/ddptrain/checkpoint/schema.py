@@ -27,11 +27,7 @@ from typing import Any
 from ddptrain.errors import Diverged
 
 log = logging.getLogger("ddptrain")
-
-
 FORMAT = "ddptrain-checkpoint"
-
-
 FORMAT_VERSION = 2
 
 
@@ -92,8 +88,6 @@ class Progress:
 #       ends at its planned end
 #   --model / --width (the weights must fit), --optimizer, --task: refused
 APPLIED = ("lr", "momentum", "weight_decay", "scale_lr", "epochs", "warmup_epochs")
-
-
 LAYOUT = ("batch_size", "grad_accum_steps", "drop_last", "seed")
 
 

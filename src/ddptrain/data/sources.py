@@ -1,19 +1,13 @@
-"""Datasets, and how each epoch's samples are laid out over ranks and micro-batches.
+"""Where samples come from: built-in sets, files, and a user's own datasets.
 
 Built in (no download): `breast_cancer` (30 features, 2 classes, seed 004's classifier),
 `digits` (1x8x8 images, 10 classes), `diabetes` (10 features, a float target: regression),
 `synthetic` (3x32x32 images for throughput work) and `chars` (a character-level corpus for
-`--model gpt`, see `ddptrain.text`). Users bring `path/to/data.npz` (arrays `x`, `y`),
+`--model gpt`, see `ddptrain.data.text`). Users bring `path/to/data.npz` (arrays `x`, `y`),
 `path/to/x.npy` with `y.npy` beside it (memory-mapped, never loaded whole), or
 `package.module:fn` returning `(train, val)`, or one dataset that `--val_fraction` splits;
-a map-style `Dataset` or an `IterableDataset`.
-
-The layout of an epoch (map-style data) is a function of (seed, epoch) and the global
-micro-batch alone: the epoch's order is a seeded permutation, cut into consecutive global
-micro-batches of `world_size x batch_size` samples, and each one is split across the ranks
-as evenly as it goes: no sample is repeated to pad a shard, and the last global batch of
-an epoch may give a rank fewer samples, or none. So N ranks x batch B see exactly the
-samples of 1 rank x batch N*B, and a position in the epoch is a count of global samples.
+a map-style `Dataset` or an `IterableDataset`. The train/val split is fixed by the seed
+alone; how an epoch's samples fall on ranks is `ddptrain.data.epoch`'s.
 """
 
 from __future__ import annotations

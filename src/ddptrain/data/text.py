@@ -18,8 +18,6 @@ import torch
 from torch.utils.data import Dataset
 
 CORPUS = "scikit-learn's bundled dataset descriptions (sklearn/datasets/descr/*.rst)"
-
-
 _DESCR_PACKAGE = "sklearn.datasets.descr"
 
 

@@ -33,11 +33,7 @@ from ddptrain.config import ConfigError, ErrorParser
 from ddptrain.launch.cluster import ClusterEnv, read_cluster_env
 
 EXIT_UNREACHABLE = 1
-
-
 _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
-
-
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "G": 1 << 30, "GB": 1 << 30}
 

@@ -30,8 +30,6 @@ from ddptrain.errors import ConfigError
 
 # What makes a directory a run's: any of these written by an earlier run.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.safetensors")
-
-
 JOB_FILE = ".job"  # the torchrun job (rendezvous id) that last trained in a directory
 
 

@@ -18,8 +18,6 @@ from torch import nn
 from torch.nn import functional as F
 
 DEFAULT_N_LAYER = 2
-
-
 DEFAULT_N_HEAD = 4
 
 

@@ -22,13 +22,9 @@ from typing import Any
 from ddptrain.config import ConfigError
 
 log = logging.getLogger("ddptrain")
-
-
 # (row field, panel title, also draw the validation rows' field of the same name); METRIC
 # stands for the run's first task metric (accuracy, mse, f1, perplexity, ...).
 METRIC = "<metric>"
-
-
 PANELS: tuple[tuple[str, str, bool], ...] = (
     ("loss", "loss", True),
     (METRIC, METRIC, True),

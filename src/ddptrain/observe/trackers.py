@@ -62,8 +62,6 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("ddptrain")
-
-
 MISSING_MLFLOW = (
     "--tracker mlflow needs the mlflow package: pip install 'ddptrain[mlflow]' "
     "(mlflow-skinny is enough)"
@@ -71,21 +69,11 @@ MISSING_MLFLOW = (
 
 
 DEFAULT_EXPERIMENT = "ddptrain"
-
-
 FLUSH_EVERY_S = 10.0
-
-
 # Files of the run directory that go into the run's artifacts, when present at the end.
 ARTIFACTS = ("config.yaml", "curves.png", "model.safetensors", "summary.json")
-
-
 _MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
-
-
 _MAX_TAG_LEN = 8000  # and on a tag value
-
-
 # What MLflow accepts in a metric or param name; anything else becomes "_", since one bad
 # name would make the store reject the whole batch it is in.
 _UNSAFE_NAME = re.compile(r"[^\w./\- :]")

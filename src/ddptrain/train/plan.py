@@ -51,7 +51,10 @@ class RunPlan:
 def make_plan(
     config: TrainingConfig, data: DataBundle, world_size: int, device: str, backend: str,
     precision: str, task: str, parameters: int | None, strategy: StrategyChoice,
+    steps: int | None = None,
 ) -> RunPlan:
+    """`steps`: optimizer steps per epoch as the trainer's batches counted them (derived
+    from the data when no trainer exists yet: the dry run)."""
     cfg, w, b, k = config, world_size, config.batch_size, config.grad_accum_steps
     try:
         n: int | None = len(data.train)  # type: ignore[arg-type]
@@ -59,7 +62,7 @@ def make_plan(
         n = None
     dropped = samples_dropped(n, w, b, cfg.drop_last) if n else 0
     batches = math.ceil((n - dropped) / (w * b)) if n else None
-    spe = steps_per_epoch(n, w, b, k, cfg.drop_last) if n else None
+    spe = steps or (steps_per_epoch(n, w, b, k, cfg.drop_last) if n else None)
     cadence = [f"every {cfg.save_every} epoch(s)" if cfg.save_every else "at the end"]
     if cfg.save_every_steps:
         cadence.append(f"every {cfg.save_every_steps} steps")

@@ -17,8 +17,6 @@ from typing import Any
 from ddptrain.errors import Interrupted, Preempted, TrainingStopped
 
 log = logging.getLogger("ddptrain")
-
-
 AGENT_POLL_S = 1.0  # how often a torchrun worker checks that its agent still lives
 
 

@@ -62,8 +62,6 @@ from ddptrain.train.stop import StopRequest
 from ddptrain.train.tasks import Scorer, Task, head_size, resolve_task
 
 log = logging.getLogger("ddptrain")
-
-
 # Train rows are all-reduced in batches: one collective about every SYNC_EVERY_S seconds
 # of training (and at the end of each epoch), whatever --log_interval is, since on a busy
 # machine a collective costs far more than its bytes. Until the step time is known, the
@@ -71,11 +69,7 @@ log = logging.getLogger("ddptrain")
 # The same collective carries the stop request: a SIGTERM is acted on within about
 # SYNC_EVERY_S plus a step, well inside a launcher's grace period (torchrun: 30 s).
 SYNC_EVERY_S = 2.0
-
-
 FIRST_SYNC_STEPS = 25
-
-
 MAX_SYNC_STEPS = 100_000
 
 
@@ -345,6 +339,7 @@ class Trainer:
             self.config, self.data, self.ctx.world_size, str(self.ctx.device),
             self.ctx.backend or "none", self.precision.describe(), self.task.name,
             sum(p.numel() for p in self.module.parameters()), self.choice,
+            self.steps_per_epoch,
         )
 
     def _save_mid_epoch(self, meter: EpochMeter, totals: list[float], stop: bool) -> None:
