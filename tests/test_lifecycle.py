@@ -221,6 +221,27 @@ def test_resuming_a_finished_run_says_so_and_touches_nothing(tmp_path: Path) -> 
     assert _snapshot(run) == before
 
 
+def test_a_finished_runs_checkpoint_of_another_model_is_refused_not_finished(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    assert run_cli([*QUICK, "--output_dir", str(run)], cwd=tmp_path).returncode == 0
+    before = _snapshot(run)
+    ckpt = next((run / "checkpoints").glob("step_*.pt"))
+    for other in (["--width", "32"], ["--dataset", "digits", "--model", "mlp"]):
+        proc = run_cli([*QUICK, *other, "--output_dir", str(tmp_path / "again"),
+                        "--resume_from", str(ckpt)], cwd=tmp_path)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "already finished" not in proc.stdout
+        assert "does not fit this model" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    proc = run_cli([*QUICK, "--optimizer", "adamw", "--output_dir", str(run),
+                    "--resume_from", "auto"], cwd=tmp_path)
+    assert proc.returncode == 2 and "was trained with --optimizer sgd" in proc.stderr
+    assert _snapshot(run) == before
+    assert not (tmp_path / "again").exists()
+
+
 def test_summary_covers_every_resume_and_the_best_checkpoint_survives(tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = [*QUICK, "--keep_last", "1", "--output_dir", str(run)]

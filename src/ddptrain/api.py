@@ -93,7 +93,7 @@ def fit(
         if run.cluster.rank == 0:
             _print_dry_run(run, model)
         return {"dry_run": True}
-    finished = _finished_summary(config)
+    finished = _finished_summary(run, model)
     if finished is not None:
         return finished
     with claim_run_dir(run) as config:
@@ -208,24 +208,30 @@ def _with_run_id(config: TrainingConfig) -> TrainingConfig:
     return dataclasses.replace(config, run_id=run_id)
 
 
-def _finished_summary(config: TrainingConfig) -> dict[str, Any] | None:
-    """A resume of a run that already finished: say so, touch nothing, return its summary."""
+def _finished_summary(run: Resolved, model: Any) -> dict[str, Any] | None:
+    """A resume of a run that already finished: say so, touch nothing, return its summary.
+    A checkpoint of another model, task or optimizer is refused first: "finished" would
+    claim a run this command never asked for."""
     import json
 
     import torch
 
     from ddptrain.checkpoint import find_resumable, load_checkpoint
 
+    config = run.config
     source = config.resume_from
     if source is None:
         return None
     if source == "auto":
         found = find_resumable(config.ckpt_dir, torch.device("cpu"))
-        payload = found[1] if found else None
     else:
-        payload = load_checkpoint(Path(source), torch.device("cpu"))
-    if payload is None or payload["epoch"] < config.epochs or payload.get("samples_in_epoch"):
+        found = Path(source), load_checkpoint(Path(source), torch.device("cpu"))
+    if found is None:
         return None
+    path, payload = found
+    if payload["epoch"] < config.epochs or payload.get("samples_in_epoch"):
+        return None
+    _refuse_another_model(run, model, path, payload)
     log.info(
         "the run in %s already finished (%d of %d epochs): nothing to do, its files are "
         "untouched; raise --epochs to train on", config.run_dir, payload["epoch"], config.epochs,
@@ -234,6 +240,30 @@ def _finished_summary(config: TrainingConfig) -> dict[str, Any] | None:
     if summary_file.is_file():
         return dict(json.loads(summary_file.read_text()), already_finished=True)
     return {"already_finished": True, "epochs": payload["epoch"], "steps": payload["step"]}
+
+
+def _refuse_another_model(run: Resolved, model: Any, path: Path, payload: dict[str, Any]) -> None:
+    """The checks a resume makes, made without training: the task and optimizer, and the
+    weights against this command's model, built on the meta device (no memory, no init)."""
+    import torch
+
+    from ddptrain.checkpoint.common import check_model_state
+    from ddptrain.checkpoint.schema import refuse_incompatible
+    from ddptrain.models import create_model
+    from ddptrain.train import head_size
+
+    config, data, task = run.config, run.data, run.task
+    refuse_incompatible(payload, config.to_dict(), task.name, str(path))
+    saved = payload.get("model_state_dict")
+    if saved is None:  # a DCP step directory: its weights are checked as they load
+        return
+    if not _is_module(model):
+        with torch.device("meta"):
+            model = (
+                create_model(config, data, head_size(task, data.facts), torch.device("meta"))
+                if model is None else _call_model_factory(model, config, data, task)
+            )
+    check_model_state(model, saved, path)
 
 
 def _print_dry_run(run: Resolved, model: Any) -> None:
