@@ -17,13 +17,20 @@ def _summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
-def test_precision_choice_per_device() -> None:
+def test_precision_choice_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert resolve_precision(TrainingConfig(), cpu).dtype is None  # auto: fp32 on CPU
     bf16 = resolve_precision(TrainingConfig(amp_dtype="bfloat16"), cpu)
     assert bf16.dtype == torch.bfloat16 and not bf16.scaler
-    fp16 = resolve_precision(TrainingConfig(), cuda)  # auto on CUDA: fp16 + scaler
+    # The GPU's compute capability decides auto (a stand-in: no CUDA here).
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    fp16 = resolve_precision(TrainingConfig(), cuda)  # auto on a V100: fp16 + scaler
     assert fp16.dtype == torch.float16 and fp16.scaler
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    auto = resolve_precision(TrainingConfig(), cuda)  # auto on an H100: bf16, no scaler
+    assert auto.dtype == torch.bfloat16 and not auto.scaler
+    forced = resolve_precision(TrainingConfig(amp_dtype="float16"), cuda)
+    assert forced.dtype == torch.float16 and forced.scaler
     assert not resolve_precision(TrainingConfig(amp_dtype="bfloat16"), cuda).scaler
     assert resolve_precision(TrainingConfig(use_amp=False), cuda).dtype is None
 

@@ -129,7 +129,8 @@ class TrainingConfig:
     # Mixed precision
     use_amp: bool = _f(True, "mixed precision on CUDA; on CPU only with --amp_dtype bfloat16")
     amp_dtype: Literal["auto", "float16", "bfloat16"] = _f(
-        "auto", "autocast dtype (auto: float16 + GradScaler on CUDA, off on CPU)"
+        "auto", "autocast dtype (auto: bfloat16 on GPUs with native bf16, else float16 + "
+        "GradScaler; off on CPU)"
     )
     # Run directory and checkpoints
     output_dir: str | None = _f(

@@ -31,12 +31,25 @@ class Precision:
         return f"{name} autocast" + (" + GradScaler" if self.scaler else "")
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether this CUDA device computes bfloat16 in hardware (compute capability 8.0+)."""
+    try:
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    except (RuntimeError, AssertionError, ValueError):
+        return False
+
+
 def resolve_precision(config: TrainingConfig, device: torch.device) -> Precision:
     kind = device.type
     if not config.use_amp:
         return Precision(None, False, kind)
     if kind == "cuda":
-        dtype = torch.bfloat16 if config.amp_dtype == "bfloat16" else torch.float16
+        # auto: bfloat16 where the GPU computes it natively (Ampere and later: fp32's range,
+        # no loss scaling), float16 + GradScaler on older GPUs.
+        bf16 = config.amp_dtype == "bfloat16" or (
+            config.amp_dtype == "auto" and native_bf16(device)
+        )
+        dtype = torch.bfloat16 if bf16 else torch.float16
         return Precision(dtype, dtype == torch.float16, kind)
     if config.amp_dtype == "bfloat16":
         return Precision(torch.bfloat16, False, kind)
