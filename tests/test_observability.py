@@ -17,7 +17,7 @@ from torch import nn
 
 from ddptrain.cli import main
 from ddptrain.context import DistributedContext
-from ddptrain.observe.flops import count_flops, gpu_fields, mfu, peak_flops
+from ddptrain.observe.flops import count_flops, gpu_fields, meta_shadow, mfu, peak_flops
 from ddptrain.observe.writer import MetricsWriter
 
 REPO = Path(__file__).resolve().parent.parent
@@ -166,6 +166,41 @@ def test_count_flops_counts_forward_and_backward_without_touching_the_model() ->
     assert flops == forward + backward
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class _NoCopy(nn.Linear):
+    """Refuses to be copied, as an FSDP module does."""
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise AssertionError("FSDP does not support deepcopy")
+
+
+def test_flops_are_counted_on_a_meta_shadow_taken_before_wrapping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ddptrain.models import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    shadow = meta_shadow(gpt)
+    assert shadow is not None
+    assert all(p.device.type == "meta" for p in shadow.parameters())
+    assert all(p.device.type == "cpu" for p in gpt.parameters())
+    tied = [n for n, _ in shadow.named_parameters(remove_duplicate=True)]
+    assert len(tied) == len(list(gpt.named_parameters(remove_duplicate=True)))
+    tokens = torch.randint(0, 50, (3, 16))
+    assert count_flops(shadow, tokens) == count_flops(gpt, tokens) > 0
+    # A CUDA stand-in: the device reads cuda, the CUDA queries are faked, the wrapped
+    # model is never touched (it may refuse to be copied, as FSDP does).
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**20)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    cuda = DistributedContext(0, 0, 2, torch.device("cuda", 0), "nccl")
+    row = gpu_fields(meta_shadow(nn.Linear(8, 4)), torch.zeros(5, 8), 1e6, cuda, torch.bfloat16)
+    per_sample = 4 * 8 * 4  # forward and weight gradient: no input gradient for a first layer
+    assert row["peak_cuda_mb"] == 3
+    assert row["tflops_per_sec"] == pytest.approx(per_sample * 1e6 / 1e12)
+    assert row["mfu"] == pytest.approx(per_sample * 1e6 / (2 * 989e12))
+    assert meta_shadow(_NoCopy(8, 4)) is None  # no MFU rather than a crash
+    assert gpu_fields(None, torch.zeros(5, 8), 1e6, cuda, None) == {"peak_cuda_mb": 3}
 
 
 def test_mfu_and_peak_table() -> None:

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -336,3 +337,29 @@ def test_an_ignored_strategy_flag_stops_the_run_before_anything_is_written(
         "add --strategy fsdp, or drop the flag"
     ]
     assert not run.exists()
+
+
+@pytest.mark.slow
+def test_gpu_train_rows_under_ddp_and_fsdp_with_a_cuda_stand_in(tmp_path: Path) -> None:
+    """The MFU path a GPU takes, on the real 2-rank run: FLOPs counted once, without
+    copying the wrapped (or sharded) model, the same per sample under every strategy."""
+    from conftest import BIN, REPO, child_env
+
+    per_sample = {}
+    for strategy in ("ddp", "fsdp"):
+        run = tmp_path / strategy
+        proc = subprocess.run(
+            [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2",
+             str(REPO / "tests" / "cuda_standin.py"), "train", "--dataset", "digits",
+             "--model", "mlp", "--optimizer", "adamw", "--epochs", "1", "--log_interval", "5",
+             "--strategy", strategy, "--output_dir", str(run)],
+            cwd=tmp_path, env=child_env(), text=True, capture_output=True, timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        train = [r for r in rows(run) if r["split"] == "train"]
+        assert train and all(r["peak_cuda_mb"] == 64 for r in train)
+        assert all(r["tflops_per_sec"] > 0 and 0 < r["mfu"] < 1 for r in train)
+        counted = {round(1e12 * r["tflops_per_sec"] / r["samples_per_sec"]) for r in train}
+        assert len(counted) == 1, counted  # counted once, reused by every row
+        per_sample[strategy] = counted.pop()
+    assert per_sample["ddp"] == per_sample["fsdp"] > 0

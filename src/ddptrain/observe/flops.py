@@ -7,9 +7,12 @@ step turns into model FLOPs:
           / (world size x peak FLOP/s of one GPU)
 
 The FLOPs are counted once, with `torch.utils.flop_counter.FlopCounterMode`, on one
-forward and backward pass of a copy of the model (the real one keeps its gradients and
-BatchNorm statistics untouched). On CPU there is no meaningful peak to divide by, so
-the rows carry no MFU there.
+forward and backward pass of a shadow of the model on the meta device (`meta_shadow`):
+its structure with shapes and no data, taken before a strategy wraps or shards the
+model. It costs no device memory and no random numbers, and the real model keeps its
+gradients and BatchNorm statistics untouched; an FSDP module, which cannot be copied, is
+never touched. On CPU there is no meaningful peak to divide by, so the rows carry no MFU
+there.
 """
 
 from __future__ import annotations
@@ -44,14 +47,38 @@ PEAK_FLOPS: tuple[tuple[str, float, float], ...] = (
 _flops_per_sample: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
 
 
+def meta_shadow(model: nn.Module) -> nn.Module | None:
+    """`model`'s structure with every parameter and buffer on the meta device: the same
+    modules and shapes, tied weights still tied, no data copied. None for a model that
+    cannot be copied at all (it then gets no MFU)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for module in model.modules():  # buffers, and tensors kept as plain attributes
+        for value in [*module._buffers.values(), *vars(module).values()]:
+            if isinstance(value, torch.Tensor) and id(value) not in memo:
+                memo[id(value)] = torch.empty_like(value, device="meta")
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:  # a module holding something uncopyable (a lock, a process group)
+        return None
+
+
 def count_flops(model: nn.Module, batch: torch.Tensor) -> float:
-    """FLOPs of one forward and backward pass over `batch`, counted on a copy of `model`."""
-    shadow = copy.deepcopy(model)
+    """FLOPs of one forward and backward pass over `batch`, counted on the meta device
+    (`model` itself when it is a meta shadow already, else a shadow of it)."""
+    shadow = model if _on_meta(model) else meta_shadow(model)
+    if shadow is None:
+        return 0.0
     shadow.train()
     counter = FlopCounterMode(display=False)
     with counter:
-        shadow(batch).float().sum().backward()
+        shadow(torch.empty_like(batch, device="meta")).float().sum().backward()
     return float(counter.get_total_flops())
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return all(p.device.type == "meta" for p in model.parameters())
 
 
 def peak_flops(device_name: str, half_precision: bool) -> float | None:
@@ -67,7 +94,7 @@ def mfu(flops_per_sample: float, samples_per_sec: float, world_size: int, peak: 
 
 
 def gpu_fields(
-    model: nn.Module,
+    model: nn.Module | None,
     batch: Any,
     samples_per_sec: float,
     ctx: DistributedContext,
@@ -75,13 +102,14 @@ def gpu_fields(
 ) -> dict[str, float]:
     """CUDA peak memory and MFU for a train row; empty on CPU.
 
-    `samples_per_sec` is the global rate (all ranks). The FLOPs are counted at the first
-    call per model and reused after.
+    `model` is the model's meta shadow (`meta_shadow`, taken before the strategy wrapped
+    it). `samples_per_sec` is the global rate (all ranks). The FLOPs are counted at the
+    first call per model and reused after.
     """
     if ctx.device.type != "cuda":
         return {}
     row = {"peak_cuda_mb": torch.cuda.max_memory_allocated(ctx.device) / 2**20}
-    if not isinstance(batch, torch.Tensor):
+    if model is None or not isinstance(batch, torch.Tensor):
         return row  # dict inputs: FLOPs are counted for a plain tensor batch only
     if model not in _flops_per_sample:
         _flops_per_sample[model] = count_flops(model, batch) / batch.shape[0]

@@ -48,7 +48,7 @@ from ddptrain.data import (
 from ddptrain.files import atomic_write_text
 from ddptrain.models import create_model
 from ddptrain.observe import Console, Curves, Hook, Hooks, MetricsWriter
-from ddptrain.observe.flops import gpu_fields
+from ddptrain.observe.flops import gpu_fields, meta_shadow
 from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.trackers import tracker_hooks
 from ddptrain.parallel import StrategyChoice, resolve_strategy
@@ -94,6 +94,9 @@ class Trainer:
         self.call = ModelCall(self.module)
         self.scorer = Scorer(self.task, device)
         self._setup_data()
+        # FLOPs are counted on a meta-device shadow (no data) taken before the module is
+        # wrapped or sharded: an FSDP module cannot be copied. Only GPU rows report them.
+        self.flops_model = meta_shadow(self.module)
         # Wrapped (or sharded in place) before the optimizer sees the parameters: under
         # fsdp they become shards, and a checkpoint loads into the shards.
         self.model: Any = self.strategy.setup_module(self.module)  # maybe compiled below
@@ -319,7 +322,7 @@ class Trainer:
         for (_, (head, mark)), row_totals in zip(sync.rows, totals, strict=False):
             row = {**head, **meter.row(row_totals, mark)}
             row.update(gpu_fields(
-                self.module, self.last_inputs, row["samples_per_sec"], self.ctx,
+                self.flops_model, self.last_inputs, row["samples_per_sec"], self.ctx,
                 self.precision.dtype,
             ))
             self.hooks.on_row(self, row)
