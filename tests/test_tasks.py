@@ -260,6 +260,29 @@ def test_iterable_dataset_is_sharded_over_ranks_and_workers(tmp_path: Path) -> N
     assert ranks[0]["summary"]["steps"] == 2 * steps0
 
 
+@pytest.mark.slow
+def test_a_stream_that_shards_itself_is_read_once_per_epoch(tmp_path: Path) -> None:
+    """2 ranks x 2 workers: each reads its own shard at the source, not the whole stream."""
+    from collections import Counter
+
+    from conftest import run_torchrun
+
+    record = tmp_path / "reads"
+    record.mkdir()
+    proc = run_torchrun(2, [
+        "train", "--dataset", "streamplug:build", "--dataset_args", f"record={record}",
+        "n=48", "--model", "mlp", "--num_classes", "2", "--num_workers", "2", "--batch_size", "4",
+        "--epochs", "2",
+        "--output_dir", str(tmp_path / "run"),
+    ], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files = [p.read_text().split() for p in record.iterdir()]
+    shards = [f for f in files if f != ["0"]]  # the rest: each rank's look at the first item
+    assert len(shards) == 2 * 2 * 2 and all(len(f) == 48 // 4 for f in shards)
+    reads = Counter(int(i) for f in shards for i in f)
+    assert reads == Counter({i: 2 for i in range(48)}), "a sample read more than once an epoch"
+
+
 def test_npy_pair_is_memory_mapped(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(300, 6)).astype(np.float32)

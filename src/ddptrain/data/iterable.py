@@ -28,9 +28,20 @@ log = logging.getLogger("ddptrain")
 
 
 # ---------------------------------------------------------------------- iterable data
+def shards_itself(dataset: Any) -> bool:
+    """Whether a stream splits at its source: `shard(num_shards, index)`, the convention of
+    Hugging Face `datasets` (and of webdataset-style readers built on it)."""
+    return callable(getattr(dataset, "shard", None))
+
+
 class RankShard(IterableDataset):
-    """Every (world_size x workers)-th item of an iterable dataset, for one (rank, worker):
-    every item lands on exactly one of them."""
+    """One (rank, DataLoader worker)'s share of an iterable dataset: every item lands on
+    exactly one of them.
+
+    A stream that shards itself (`shards_itself`) is split at its source: each (rank,
+    worker) reads only its own shard, so at 64 GPUs x 4 workers every sample is still read
+    once. Any other stream is read whole by each of them, keeping every (world_size x
+    workers)-th item."""
 
     def __init__(self, dataset: IterableDataset, world_size: int, rank: int) -> None:
         self.dataset, self.world_size, self.rank = dataset, world_size, rank
@@ -42,6 +53,9 @@ class RankShard(IterableDataset):
         workers, wid = (info.num_workers, info.id) if info else (1, 0)
         stride = self.world_size * workers
         offset = self.rank * workers + wid
+        if shards_itself(self.dataset):
+            yield from self.dataset.shard(num_shards=stride, index=offset)  # type: ignore[attr-defined]
+            return
         start, self._start = self._start, 0
         self.consumed = start
         for i, item in enumerate(self.dataset, start=start):
@@ -73,8 +87,9 @@ class IterableBatches:
         self.shard: RankShard = self.loader.dataset  # type: ignore[assignment]
         self.ctx, self.accum = ctx, config.grad_accum_steps
         self._flag = torch.zeros(1, device=ctx.device)
-        # Exact mid-epoch resume needs the dataset's own position, read in this process.
-        self.stateful = config.num_workers == 0 and all(
+        # Exact mid-epoch resume needs the dataset's own position, read in this process;
+        # a stream split at its source has a position per shard, which it does not share.
+        self.stateful = config.num_workers == 0 and not shards_itself(dataset) and all(
             hasattr(dataset, name) for name in ("state_dict", "load_state_dict")
         )
         self.state: dict[str, Any] | None = None  # after the last batch handed out
