@@ -54,8 +54,13 @@ class RankShard(IterableDataset):
         stride = self.world_size * workers
         offset = self.rank * workers + wid
         if shards_itself(self.dataset):
-            yield from self.dataset.shard(num_shards=stride, index=offset)  # type: ignore[attr-defined]
-            return
+            try:
+                source = self.dataset.shard(num_shards=stride, index=offset)  # type: ignore[attr-defined]
+            except (ValueError, IndexError):  # fewer source shards than readers: stride
+                source = None
+            if source is not None:
+                yield from source
+                return
         start, self._start = self._start, 0
         self.consumed = start
         for i, item in enumerate(self.dataset, start=start):
