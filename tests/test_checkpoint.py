@@ -109,6 +109,25 @@ class _RunsCode:
         self.marker = marker
 
 
+def _bytes_read() -> int:
+    return int(next(line for line in Path("/proc/self/io").read_text().splitlines()
+                    if line.startswith("rchar:")).split()[1])
+
+
+def test_reading_a_checkpoints_progress_does_not_read_its_weights(tmp_path: Path) -> None:
+    """Where a resume starts and whether a run finished are read from a checkpoint's
+    metadata; its tensors are mapped, and read only when they are loaded."""
+    directory = tmp_path / "ckpt"
+    ctx = DistributedContext(0, 0, 1, torch.device("cpu"))
+    weights = {"w": torch.ones(16_000_000)}  # 64 MB
+    path = save_checkpoint(directory, 7, {"step": 7, "model_state_dict": weights}, ctx, 0)
+    before = _bytes_read()
+    payload = load_checkpoint(path, torch.device("cpu"))
+    assert payload["step"] == 7
+    assert _bytes_read() - before < 4_000_000, "the whole file was read for its progress"
+    assert torch.equal(payload["model_state_dict"]["w"], weights["w"])  # and loads whole
+
+
 def test_unusable_checkpoints_are_refused_with_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -14,6 +14,7 @@ import io
 import os
 import shutil
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -104,10 +105,19 @@ def _first_line(exc: BaseException) -> str:
 
 
 def read_payload(path: Path, device: torch.device) -> dict[str, Any]:
-    """Read a checkpoint file written by ddptrain onto `device` (not onto GPU 0), weights
-    only: a file that would need pickled code to load is refused."""
+    """Read a checkpoint file written by ddptrain, weights only: a file that would need
+    pickled code to load is refused.
+
+    The tensors are memory-mapped from the file, on the CPU whatever `device` is: reading
+    the progress of a checkpoint (where a resume starts, whether a run finished) costs
+    its metadata, not its gigabytes, and loading the weights into the model copies each
+    byte once from the page cache onto the model's device, never through a second whole
+    copy in host or GPU memory."""
     try:
-        payload = torch.load(path, map_location=device, weights_only=True)
+        # Only torch's zip format maps; anything else is read to be refused with its reason.
+        payload = torch.load(
+            path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
+        )
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist") from None
     except Exception as exc:
