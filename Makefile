@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-0.2
 
-.PHONY: setup demo test test-fast lint typecheck clean
+.PHONY: setup demo test test-fast test-heavy lint typecheck clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ test: $(STAMP) slurm-deps
 # The pure-logic and single-process tier (about 2 minutes): what to run while editing.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# The heaviest multi-process runs, left out of `make test` to keep it under 15 minutes.
+test-heavy: $(STAMP) slurm-deps
+	$(PY) -m pytest -q -m heavy
 
 # Slurm and munge for the Slurm tests (tests/test_slurm.py): installed only when missing,
 # and only by root with apt-get; anywhere else nothing happens and those tests skip.

@@ -176,6 +176,7 @@ def _check_run_dir(run: Path, epochs: int) -> list[dict]:
     return rows
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_torchrun_breast_cancer_and_digits(tmp_path: Path) -> None:
     """The demo job, and MiniResNet on digits within the demo's 10-epoch budget."""
@@ -202,6 +203,7 @@ def test_torchrun_breast_cancer_and_digits(tmp_path: Path) -> None:
     _check_run_dir(run, 4)
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_torchrun_synthetic_npz_and_user_plugins(tmp_path: Path) -> None:
     run = tmp_path / "syn"

@@ -183,6 +183,7 @@ def rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.heavy
 def test_host_leaves_and_rejoins_elastic_job(tmp_path: Path) -> None:
     reason = unavailable()
     if reason:

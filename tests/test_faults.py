@@ -55,6 +55,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kill_after", [15, 250])  # in epoch 1 and 2 (180 steps each)
 def test_sigkill_then_resume_is_bitwise_exact(
     reference: Path, tmp_path: Path, kill_after: int
@@ -74,6 +75,7 @@ def test_sigkill_then_resume_is_bitwise_exact(
     assert_same_log(run, reference)
 
 
+@pytest.mark.heavy
 def test_sigterm_checkpoints_exits_75_and_resumes_exactly(reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = start([*JOB, "--output_dir", str(run)], tmp_path)
@@ -102,6 +104,7 @@ def reference_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.mark.heavy
 def test_torchrun_restart_after_a_killed_worker_resumes_exactly(
     reference_two_ranks: Path, tmp_path: Path
 ) -> None:
@@ -118,6 +121,7 @@ def test_torchrun_restart_after_a_killed_worker_resumes_exactly(
     assert_same_log(run, reference_two_ranks)
 
 
+@pytest.mark.heavy
 def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(
     reference_two_ranks: Path, tmp_path: Path
 ) -> None:
@@ -231,6 +235,7 @@ TASK_JOBS = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("task", list(TASK_JOBS))
 def test_sigkill_mid_epoch_then_resume_is_bitwise_exact_for_other_tasks(
     tmp_path: Path, task: str
@@ -251,6 +256,7 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_exact_for_other_tasks(
     assert_same_log(run, reference)
 
 
+@pytest.mark.heavy
 def test_iterable_dataset_with_state_resumes_mid_epoch_exactly(tmp_path: Path) -> None:
     job = ["train", "--dataset", "taskplug:stateful_stream", "--model", "mlp",
            "--batch_size", "8", "--epochs", "2", "--save_every_steps", "7", "--log_interval", "10"]

@@ -39,6 +39,7 @@ RNG_JOB = ["train", "--dataset", "guardplug:augmented", "--model", "guardplug:dr
            "--save_every_steps", "5", "--log_interval", "4"]
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_restores_every_ranks_rng_state(tmp_path: Path) -> None:
     reference = tmp_path / "reference"

@@ -121,6 +121,7 @@ def test_workers_stop_after_a_checkpoint_when_their_torchrun_agent_dies(tmp_path
 
 
 # ---------------------------------------------------------------- 3. restarts
+@pytest.mark.heavy
 def test_a_torchrun_restart_resumes_the_newest_checkpoint_not_resume_from(
     tmp_path: Path,
 ) -> None:
@@ -221,6 +222,7 @@ def test_resuming_a_finished_run_says_so_and_touches_nothing(tmp_path: Path) -> 
     assert _snapshot(run) == before
 
 
+@pytest.mark.heavy
 def test_a_finished_runs_checkpoint_of_another_model_is_refused_not_finished(
     tmp_path: Path,
 ) -> None:

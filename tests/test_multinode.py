@@ -89,6 +89,7 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "model.safetensors"))
 
 
+@pytest.mark.heavy
 def test_two_hosts_train_like_one_node_with_two_ranks(hosts: TwoHosts, tmp_path: Path) -> None:
     nodes = run_two_nodes(hosts, [*TRAIN, "--output_dir", str(tmp_path / "node{node}")],
                           tmp_path)

@@ -236,6 +236,7 @@ def _kill_during_a_write(ckpts: Path, agent: Any, after_step: int, limit: float 
     raise AssertionError(f"no save past step {after_step} within {limit}s")
 
 
+@pytest.mark.heavy
 def test_a_worker_killed_during_a_dcp_write_resumes_bitwise_exactly(tmp_path: Path) -> None:
     reference = tmp_path / "reference"
     ref = torchrun([*TORCHRUN_JOB, "--output_dir", str(reference)], tmp_path, [])
@@ -339,6 +340,7 @@ def test_an_ignored_strategy_flag_stops_the_run_before_anything_is_written(
     assert not run.exists()
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_gpu_train_rows_under_ddp_and_fsdp_with_a_cuda_stand_in(tmp_path: Path) -> None:
     """The MFU path a GPU takes, on the real 2-rank run: FLOPs counted once, without

@@ -87,6 +87,7 @@ def test_sbatch_cpu_job_trains_on_two_ranks(slurm: SlurmCluster, reference: Path
     assert "rendezvous " + slurm.node in log  # the head node came from scontrol
 
 
+@pytest.mark.heavy
 def test_sigterm_requeues_and_resumes_to_the_same_weights(
     slurm: SlurmCluster, reference: Path, tmp_path: Path
 ) -> None:

@@ -32,6 +32,7 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.heavy
 def test_compile_matches_eager_on_two_ranks_without_recompiling_per_step(
     tmp_path: Path,
 ) -> None:

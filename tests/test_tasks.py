@@ -101,6 +101,7 @@ CASES = {
 }
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_ranks_equal_one_rank_with_double_batch_for_every_task(
@@ -242,6 +243,7 @@ def _iterable_ids(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
     return {"seen": seen, "summary": summary}
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_iterable_dataset_is_sharded_over_ranks_and_workers(tmp_path: Path) -> None:
     cfg = dict(
@@ -350,6 +352,7 @@ def test_public_names() -> None:
 
 
 # ---------------------------------------------------------------- the built-in demos
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_demos_reach_their_quality_bar(tmp_path: Path) -> None:
     from ddptrain.data.text import char_lm_datasets
