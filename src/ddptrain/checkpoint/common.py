@@ -6,11 +6,14 @@ A file is written to a temporary name next to the target, fsynced and renamed in
 one. Every rank learns whether a write failed (`agree_on_write`), so all stop with the
 same line. The payload is plain tensors and containers: `torch.load(path,
 weights_only=True)` reads it, and a file that would need pickled code to load is refused.
+The stamp carries a checksum of every tensor (`integrity`), checked before a resume
+trusts the file.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import shutil
 import sys
@@ -23,11 +26,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain import __version__
+from ddptrain.checkpoint.integrity import checksums, payload_damage, to_cpu
 from ddptrain.checkpoint.schema import FORMAT, FORMAT_VERSION
 from ddptrain.context import DistributedContext
 from ddptrain.errors import EXIT_IO, ConfigError, TrainingStopped
 from ddptrain.files import staged
 
+log = logging.getLogger("ddptrain")
 
 class CheckpointError(ConfigError):
     """A checkpoint cannot be used; the message says which file and why."""
@@ -40,12 +45,14 @@ class CheckpointWriteError(TrainingStopped):
 
 
 # ---------------------------------------------------------------------- writing
-def atomic_save(payload: dict[str, Any], path: Path, copies: tuple[Path, ...] = ()) -> None:
+def atomic_save(payload: dict[str, Any], path: Path, links: tuple[Path, ...] = ()) -> None:
     """Write `payload` to `path` so that readers see the old file or the whole new one.
 
-    `copies` (`latest.pt`, `best.pt`) are independent copies, each committed *before*
-    the step file gets its own name: a crash in between leaves `latest.pt` holding the
-    newest state, never pointing behind it, and damage to one file never reaches another.
+    `links` (`latest.pt`, `best.pt`) are more names for the same bytes (hard links: the
+    state is written once), each committed *before* the step file gets its own name: a
+    crash in between leaves `latest.pt` holding the newest state, never pointing behind
+    it. Damage to those bytes reaches every name, and the checksums catch it on resume.
+    A filesystem without hard links gets copies, with one warning.
     """
     # Serialized in memory first: torch's zip writer reports a full disk as a RuntimeError
     # about file positions, a plain write as the OSError (ENOSPC, EDQUOT) it is.
@@ -55,18 +62,40 @@ def atomic_save(payload: dict[str, Any], path: Path, copies: tuple[Path, ...] = 
         with tmp.open("wb") as f:
             f.write(buffer.getbuffer())
         del buffer
-        for copy in copies:
-            with staged(copy) as other:
-                shutil.copyfile(tmp, other)
+        for name in links:
+            with staged(name) as other:
+                _link_or_copy(tmp, other)
+
+
+_warned_copies: list[bool] = []
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+        return
+    except OSError as exc:
+        if not _warned_copies:
+            _warned_copies.append(True)
+            log.warning(
+                "the checkpoint directory refuses hard links (%s): latest.pt and best.pt "
+                "are written as copies", exc.strerror,
+            )
+    shutil.copyfile(source, target)
 
 
 def stamped(state: dict[str, Any]) -> dict[str, Any]:
-    """`state` with what wrote it: the format, its version, the library versions."""
+    """`state` on the CPU with what wrote it (the format, its version, the library
+    versions) and the checksum of every tensor."""
     versions = {
         "ddptrain": __version__, "torch": str(torch.__version__),
         "python": sys.version.split()[0],
     }
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, **state, "versions": versions}
+    state = to_cpu(state)
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, **state, "versions": versions,
+        "checksums": checksums(state),
+    }
 
 
 def agree_on_write(
@@ -104,15 +133,58 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
-def read_payload(path: Path, device: torch.device) -> dict[str, Any]:
+# Payloads read in this process, by file identity: a resume reads a checkpoint once even
+# when the finished-run check, the locating rank and the load all ask for it. They are
+# memory-mapped, so holding one costs no memory; `forget_reads` lets the files go (a
+# pruned file's blocks are freed only once no map holds them).
+_reads: dict[tuple[int, ...], dict[str, Any]] = {}
+_verified: set[tuple[int, ...]] = set()
+_KEEP_READS = 4
+
+
+def forget_reads() -> None:
+    """Drop the payloads kept by `read_payload`."""
+    _reads.clear()
+    _verified.clear()
+
+
+def damaged(path: Path, damage: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {str(path)!r} is damaged: {damage}; give another checkpoint, or "
+        "--resume_from auto (which skips damaged ones)"
+    )
+
+
+def read_payload(path: Path, device: torch.device, verify: bool = False) -> dict[str, Any]:
     """Read a checkpoint file written by ddptrain, weights only: a file that would need
-    pickled code to load is refused.
+    pickled code to load is refused. With `verify`, every tensor is checked against the
+    checksum written with it first, and a damaged file is refused.
 
     The tensors are memory-mapped from the file, on the CPU whatever `device` is: reading
     the progress of a checkpoint (where a resume starts, whether a run finished) costs
     its metadata, not its gigabytes, and loading the weights into the model copies each
     byte once from the page cache onto the model's device, never through a second whole
-    copy in host or GPU memory."""
+    copy in host or GPU memory. A file is read once per process (`forget_reads`)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist") from None
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    payload = _reads.get(key)
+    if payload is None:
+        payload = _read(path)
+        while len(_reads) >= _KEEP_READS:
+            _reads.pop(next(iter(_reads)))
+        _reads[key] = payload
+    if verify and key not in _verified:
+        damage = payload_damage(payload)
+        if damage is not None:
+            raise damaged(path, damage)
+        _verified.add(key)
+    return payload
+
+
+def _read(path: Path) -> dict[str, Any]:
     try:
         # Only torch's zip format maps; anything else is read to be refused with its reason.
         payload = torch.load(

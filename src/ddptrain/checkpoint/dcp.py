@@ -15,7 +15,13 @@ themselves, so a damaged pointer costs nothing, and `--keep_last` never prunes t
 
 With `--async_checkpoint` the shards are copied to memory and written by a background
 thread (on its own gloo group) while training goes on; a run has at most one save in
-flight: the next save, a stop and the end of the run wait for it first.
+flight: the next save, a stop and the end of the run wait for it first. The copies go
+into staging buffers kept from one save to the next (pinned on CUDA, so the copy off the
+GPU is fast), and the save plan, the same at every save, is agreed on once and cached.
+
+Once a save is written, every rank checksums its share of the directory's files and rank
+0 records them in `meta.pt` (`shards`); a resume checks them the same way, every rank its
+share, before it loads a byte (`integrity`).
 """
 
 from __future__ import annotations
@@ -31,14 +37,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ddptrain.checkpoint.common import (
     CheckpointError,
     agree_on_write,
     atomic_save,
+    damaged,
     read_payload,
     stamped,
 )
+from ddptrain.checkpoint.integrity import file_crc, files_damage, share
 from ddptrain.context import DistributedContext
 from ddptrain.files import atomic_write_text, fsync_dir
 
@@ -64,7 +74,27 @@ def read_meta(path: Path, device: torch.device) -> dict[str, Any]:
             f"checkpoint {str(path)!r} is not a whole DCP step directory (its save did "
             "not finish): give a step_XXXXXXXXX directory, or --resume_from auto"
         )
-    return read_payload(path / META, device)
+    return read_payload(path / META, device, verify=True)
+
+
+def shards_damage(path: Path, meta: dict[str, Any], ctx: DistributedContext) -> str | None:
+    """Collective: every rank checks its share of a step directory's files against the
+    checksums in its `meta.pt`; what is wrong (the same on every rank), or None. A
+    directory written before checksums passes."""
+    expected = meta.get("shards") or {}
+    damage = files_damage(path, expected, share(list(expected), ctx.rank, ctx.world_size))
+    if not ctx.distributed:
+        return damage
+    found: list[str | None] = [None] * ctx.world_size
+    dist.all_gather_object(found, damage)
+    return next((d for d in found if d is not None), None)
+
+
+def check_shards(path: Path, meta: dict[str, Any], ctx: DistributedContext) -> None:
+    """`shards_damage` as an error naming the directory."""
+    damage = shards_damage(path, meta, ctx)
+    if damage is not None:
+        raise damaged(path, damage)
 
 
 def list_step_dirs(directory: Path) -> list[Path]:
@@ -86,6 +116,11 @@ class ShardedCheckpointer:
         # The background thread's collectives must not interleave with the training
         # loop's on the default group.
         self.group = dist.new_group(backend="gloo") if background and ctx.distributed else None
+        on_gpu = ctx.device.type == "cuda"
+        self.stager = DefaultStager(StagingOptions(
+            use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
+            use_non_blocking_copy=on_gpu,
+        )) if background else None
         self._pending: tuple[Any, Path, Path, dict[str, Any], bool] | None = None  # a Future
         self.blocking_s: list[float] = []  # time each save held up training
 
@@ -100,11 +135,15 @@ class ShardedCheckpointer:
         t0 = time.perf_counter()
         failure: BaseException | None = None
         try:
+            planner = DefaultSavePlanner(enable_plan_caching=True)
             if self.background:
-                future = dcp.async_save(state, checkpoint_id=partial, process_group=self.group)
+                future = dcp.async_save(
+                    state, checkpoint_id=partial, process_group=self.group,
+                    async_stager=self.stager, planner=planner,
+                )
                 self._pending = (future, partial, final, meta, best)
             else:
-                dcp.save(state, checkpoint_id=partial)
+                dcp.save(state, checkpoint_id=partial, planner=planner)
         except Exception as exc:  # DCP gathers every rank's error; one line follows
             failure = exc
         self.blocking_s.append(time.perf_counter() - t0)
@@ -125,14 +164,38 @@ class ShardedCheckpointer:
             failure = exc
         self._commit(partial, final, meta, best, failure)
 
+    def close(self) -> None:
+        """Finish the save in flight and free the staging buffers."""
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
     def _commit(
         self, partial: Path, final: Path, meta: dict[str, Any], best: bool,
         failure: BaseException | None,
     ) -> None:
-        """Rank 0 makes the directory whole and gives it its name; all learn if it could."""
+        """Every rank checksums its share of the files, rank 0 makes the directory whole
+        and gives it its name; all learn if it could."""
+        sums: dict[str, list[int]] | None = None
+        if failure is None:
+            try:
+                names = [p.name for p in partial.iterdir() if p.name != META]
+                mine = share(names, self.ctx.rank, self.ctx.world_size)
+                sums = {name: file_crc(partial / name) for name in mine}
+            except OSError as exc:
+                failure = exc
+        if self.ctx.distributed:  # rank 0 records them all; a rank that failed sends None
+            every: list[Any] = [None] * self.ctx.world_size if self.ctx.is_main else []
+            dist.gather_object(sums, every if self.ctx.is_main else None, dst=0)
+            if self.ctx.is_main:
+                parts = [part for part in every if part is not None]
+                sums = {k: v for part in parts for k, v in part.items()}
+                if len(parts) < self.ctx.world_size and failure is None:
+                    failure = OSError("a rank could not read back the files it wrote")
         if self.ctx.is_main and failure is None:
             try:
-                atomic_save(stamped(meta), partial / META)
+                atomic_save(stamped({**meta, "shards": sums or {}}), partial / META)
                 if final.exists():  # the same step saved again (an epoch end after a step)
                     shutil.rmtree(final)
                 os.replace(partial, final)

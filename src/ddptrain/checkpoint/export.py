@@ -41,11 +41,13 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 def export_safetensors(checkpoint: Path, out: Path) -> int:
     """`ddptrain export`: the whole model of a checkpoint (a `.pt` file or a DCP step
-    directory of any world size), for inference."""
+    directory of any world size), for inference; a damaged checkpoint is refused."""
     if checkpoint.is_dir():
-        from ddptrain.checkpoint.dcp import model_state_from_dir
+        from ddptrain.checkpoint.dcp import check_shards, model_state_from_dir
+        from ddptrain.context import DistributedContext
 
-        load_checkpoint(checkpoint, torch.device("cpu"))  # whole, and written by ddptrain
+        meta = load_checkpoint(checkpoint, torch.device("cpu"))  # whole, written by ddptrain
+        check_shards(checkpoint, meta, DistributedContext(0, 0, 1, torch.device("cpu")))
         return export_safetensors_state(model_state_from_dir(checkpoint), out)
-    payload = load_checkpoint(checkpoint, torch.device("cpu"))
+    payload = load_checkpoint(checkpoint, torch.device("cpu"), verify=True)
     return export_safetensors_state(payload["model_state_dict"], out)

@@ -1,15 +1,17 @@
 """Where a resume starts and how a checkpoint of either kind is read.
 
 `find_resumable` picks the furthest whole checkpoint of a directory (`latest.pt`, step
-files, DCP step directories), skipping damaged ones with a warning; `locate_resume` lets
-rank 0 decide for every rank; `Checkpointer` is the one interface the trainer uses to
-save, wait for and load a checkpoint, whichever backend writes it.
+files, DCP step directories), skipping torn and damaged ones (checksums) with a warning;
+`locate_resume` lets rank 0 decide for every rank, and every rank checks its share of a
+step directory's shards before any is loaded; `Checkpointer` is the one interface the
+trainer uses to save, wait for and load a checkpoint, whichever backend writes it.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +19,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.checkpoint.common import CheckpointError, check_model_state, read_payload
-from ddptrain.checkpoint.dcp import ShardedCheckpointer, list_step_dirs, load_sharded, read_meta
+from ddptrain.checkpoint.common import (
+    CheckpointError,
+    check_model_state,
+    damaged,
+    forget_reads,
+    read_payload,
+)
+from ddptrain.checkpoint.dcp import (
+    ShardedCheckpointer,
+    list_step_dirs,
+    load_sharded,
+    read_meta,
+    shards_damage,
+)
 from ddptrain.checkpoint.pt import LATEST, list_checkpoints, save_checkpoint
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
@@ -29,30 +43,36 @@ if TYPE_CHECKING:
 log = logging.getLogger("ddptrain")
 
 
-def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
+def load_checkpoint(path: Path, device: torch.device, verify: bool = False) -> dict[str, Any]:
     """Read a ddptrain checkpoint onto `device`, or say why it can't be. For a DCP step
     directory that is its `meta.pt`: everything but the sharded weights and optimizer
-    state, which `Checkpointer.load` reads into the model's shards."""
-    return read_meta(path, device) if path.is_dir() else read_payload(path, device)
+    state, which `Checkpointer.load` reads into the model's shards (`shards_damage` checks
+    them). `verify`: check a file's tensors against their checksums first."""
+    return read_meta(path, device) if path.is_dir() else read_payload(path, device, verify)
 
 
-def find_resumable(directory: Path, device: torch.device) -> tuple[Path, dict[str, Any]] | None:
+def find_resumable(
+    directory: Path, device: torch.device, verify: bool = False, skip: Sequence[Path] = (),
+) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint in `directory` that loads: `latest.pt`, the newest whole step
-    file or the newest whole DCP step directory, whichever is furthest on. Corrupt ones
-    are skipped with a warning. None when there is none (a fresh start)."""
+    file or the newest whole DCP step directory, whichever is furthest on. Torn ones, and
+    with `verify` files whose tensors fail their checksums, are skipped with a warning, as
+    are the paths in `skip`. None when there is none (a fresh start)."""
     best: tuple[Path, dict[str, Any]] | None = None
     kinds = ([directory / LATEST], list_checkpoints(directory), list_step_dirs(directory))
+    skip = list(skip)  # and the files refused, whatever other name they have (latest.pt)
     for candidates in kinds:
         for path in candidates:
-            if not path.exists():
+            if not path.exists() or _same_file(path, skip):
                 continue
             named = re.search(r"step_(\d+)", path.name)
             if best is not None and named and int(named.group(1)) <= best[1]["step"]:
                 break  # not further on than one already read: no need to load it
             try:
-                payload = load_checkpoint(path, device)
+                payload = load_checkpoint(path, device, verify)
             except CheckpointError as exc:
                 log.warning("skipping unusable checkpoint: %s", exc)
+                skip.append(path)
                 continue
             if best is None or payload["step"] > best[1]["step"]:
                 best = (path, payload)
@@ -60,19 +80,44 @@ def find_resumable(directory: Path, device: torch.device) -> tuple[Path, dict[st
     return best
 
 
+def _same_file(path: Path, others: Sequence[Path]) -> bool:
+    return any(path == other or (other.exists() and path.samefile(other)) for other in others)
+
+
 def locate_resume(
     source: str | None, directory: Path, ctx: DistributedContext
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The checkpoint a run resumes from (`--resume_from PATH | auto`), or None.
+    """The checkpoint a run resumes from (`--resume_from PATH | auto`), checked, or None.
 
     Collective: rank 0 decides and every rank loads what it chose, so ranks that see the
     job differently (a node that joined an elastic job, a checkpoint written meanwhile)
-    never start from different states; an unusable checkpoint is the same error on all."""
+    never start from different states; an unusable checkpoint is the same error on all.
+    Rank 0 checks a file's checksums as it locates it; a step directory's shards are
+    checked by every rank, its share. A damaged newest checkpoint is skipped with a
+    warning under `auto` (the previous whole one is used); a damaged path is refused."""
+    skip: list[Path] = []
+    while True:
+        found = _agree_on(source, directory, ctx, skip)
+        if found is None or not found[0].is_dir():
+            return found
+        damage = shards_damage(found[0], found[1], ctx)
+        if damage is None:
+            return found
+        error = damaged(found[0], damage)
+        if source != "auto":
+            raise error
+        log.warning("skipping unusable checkpoint: %s", error)
+        skip.append(found[0])
+
+
+def _agree_on(
+    source: str | None, directory: Path, ctx: DistributedContext, skip: list[Path]
+) -> tuple[Path, dict[str, Any]] | None:
     choice: list[Any] = [None, None]
     found: tuple[Path, dict[str, Any]] | None = None
     if ctx.is_main:
         try:
-            found = _locate(source, directory, ctx.device)
+            found = _locate(source, directory, ctx.device, skip)
             choice[0] = str(found[0]) if found else None
         except CheckpointError as exc:
             choice[1] = str(exc)
@@ -86,13 +131,13 @@ def locate_resume(
 
 
 def _locate(
-    source: str | None, directory: Path, device: torch.device
+    source: str | None, directory: Path, device: torch.device, skip: list[Path]
 ) -> tuple[Path, dict[str, Any]] | None:
     if source is None:
         return None
     if source != "auto":
-        return Path(source), load_checkpoint(Path(source), device)
-    found = find_resumable(directory, device)
+        return Path(source), load_checkpoint(Path(source), device, verify=True)
+    found = find_resumable(directory, device, verify=True, skip=skip)
     if found is None:
         log.info("no checkpoint in %s: starting fresh", directory)
     return found
@@ -142,6 +187,11 @@ class Checkpointer:
         if self.sharded is not None:
             self.sharded.wait()
 
+    def close(self) -> None:
+        """Finish the save in flight and free what saves keep between them."""
+        if self.sharded is not None:
+            self.sharded.close()
+
     def locate(self, source: str | None) -> tuple[Path, dict[str, Any]] | None:
         """The checkpoint `--resume_from` names (a path, or `auto`), as rank 0 chose it."""
         return locate_resume(source, self.directory, self.ctx)
@@ -151,15 +201,17 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
     ) -> None:
         """Load a located checkpoint's weights and optimizer state, whichever strategy and
-        world size wrote it: DCP reshards a step directory, a whole state is loaded as it is."""
+        world size wrote it: DCP reshards a step directory, a whole state is loaded as it is.
+        The files read are let go afterwards (`forget_reads`)."""
         if path.is_dir():
             model, optim = self.strategy.sharded_state(module, optimizer)
             state = {"model": model, "optim": optim}
             load_sharded(path, state)
             self.strategy.load_state(module, optimizer, state["model"], state["optim"], full=False)
-            return
-        check_model_state(module, payload["model_state_dict"], path)
-        self.strategy.load_state(
-            module, optimizer, payload["model_state_dict"], payload["optimizer_state_dict"],
-            full=True,
-        )
+        else:
+            check_model_state(module, payload["model_state_dict"], path)
+            self.strategy.load_state(
+                module, optimizer, payload["model_state_dict"], payload["optimizer_state_dict"],
+                full=True,
+            )
+        forget_reads()

@@ -1,6 +1,7 @@
 """The file backend: rank 0 writes the whole state as one `step_XXXXXXXXX.pt` (atomic:
-temp file, fsync, rename), `latest.pt` and `best.pt` beside it, and prunes to
-`--keep_last`. Every rank passes a barrier after the write so none reads ahead of it.
+temp file, fsync, rename), `latest.pt` and `best.pt` beside it as hard links to the same
+bytes (written once), and prunes to `--keep_last`. Every rank passes a barrier after the
+write so none reads ahead of it.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def save_checkpoint(
     failure: OSError | None = None
     if ctx.is_main:
         payload = stamped(state)
-        copies = (directory / LATEST, *((directory / BEST,) if best else ()))
+        links = (directory / LATEST, *((directory / BEST,) if best else ()))
         try:
-            atomic_save(payload, path, copies)
+            atomic_save(payload, path, links)
             prune(directory, keep_last)
         except OSError as exc:
             failure = exc

@@ -202,7 +202,7 @@ class Trainer:
                 self.hooks.on_fit_start(self)
                 for epoch in range(self.progress.epoch + 1, cfg.epochs + 1):
                     val = self._epoch(epoch)
-            self.checkpoints.wait()
+            self.checkpoints.close()
             summary = self._summary(val)
             weights = self.strategy.model_state(self.module)  # collective under fsdp
             if ctx.is_main:

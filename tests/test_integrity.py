@@ -1,0 +1,176 @@
+"""Every byte trusted: checksums written with every checkpoint and checked before a resume
+loads it; the state written once however many names it has; a resume reads each file once.
+
+A damaged newest checkpoint (flipped bytes inside tensor data, or a truncated file) is
+skipped with a warning naming it, the previous whole one is used, and the run ends
+bitwise equal to one that was never interrupted. The kill is the model SIGKILLing its
+own process at an exact training forward (`guardplug.py`, GUARD_KILL_AT).
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli, run_torchrun
+from procs import assert_bitwise, weights
+
+from ddptrain.checkpoint import list_checkpoints, list_step_dirs, load_checkpoint, save_checkpoint
+from ddptrain.checkpoint.common import forget_reads
+from ddptrain.cli import main
+from ddptrain.context import DistributedContext
+
+CPU = torch.device("cpu")
+# 192 training samples at batch 8: 24 steps an epoch on one process, 12 on two.
+JOB = ["train", "--dataset", "guardplug:augmented", "--model", "guardplug:dropout_net",
+       "--batch_size", "8", "--epochs", "2", "--lr", "0.05", "--num_workers", "0",
+       "--save_every_steps", "5", "--log_interval", "4"]
+
+
+def _flip(path: Path, offset: int, n: int = 64) -> None:
+    with path.open("r+b") as f:
+        f.seek(offset)
+        data = bytearray(f.read(n))
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def _tensor_bytes_of_pt(path: Path) -> int:
+    """The offset of the middle of the largest tensor record of a torch zip file."""
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with path.open("rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len = int.from_bytes(f.read(2), "little")
+        extra_len = int.from_bytes(f.read(2), "little")
+    return info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+
+
+def _damage(target: Path, how: str) -> Path:
+    """Flip 64 bytes inside the tensor data of `target` (a .pt file, or the largest shard
+    of a step directory), or cut the file in half; returns the file damaged."""
+    if target.is_dir():
+        victim = max(target.glob("*.distcp"), key=lambda p: p.stat().st_size)
+        middle = victim.stat().st_size // 2
+    else:
+        victim, middle = target, _tensor_bytes_of_pt(target)
+    if how == "flip":
+        _flip(victim, middle)
+    else:
+        os.truncate(victim, victim.stat().st_size // 2)
+    return victim
+
+
+def _killed_then_resumed(
+    tmp_path: Path, launch, extra: list[str], kill_at: int, how: str
+) -> tuple[Path, str]:
+    run = tmp_path / "run"
+    args = [*JOB, *extra, "--output_dir", str(run)]
+    killed = launch(args, {"GUARD_KILL_AT": str(kill_at)})
+    assert killed.returncode != 0
+    ckpt = run / "checkpoints"
+    newest = (list_step_dirs(ckpt) or list_checkpoints(ckpt))[0]
+    _damage(newest, how)
+    resumed = launch([*args, "--resume_from", "auto"], {})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return newest, resumed.stdout + resumed.stderr
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_a_damaged_newest_pt_is_skipped_and_the_run_ends_bitwise_equal(
+    tmp_path: Path, how: str
+) -> None:
+    def launch(args: list[str], env: dict[str, str]):
+        return run_cli(args, cwd=tmp_path, env={"GUARD_KILL_RANK": "0", **env})
+
+    reference = tmp_path / "reference"
+    assert launch([*JOB, "--output_dir", str(reference)], {}).returncode == 0
+    # killed at step 23's forward: the newest checkpoint is step 20, the one before it 15
+    newest, log = _killed_then_resumed(tmp_path, launch, [], 23, how)
+    assert newest.name == "step_000000020.pt"
+    assert "skipping unusable checkpoint" in log and str(newest) in log
+    if how == "flip":
+        assert "is damaged: tensor" in log and "does not match its checksum" in log
+    assert "epoch 0 done, step 15" in log
+    assert_bitwise(weights(tmp_path / "run"), weights(reference))
+
+
+@pytest.mark.parametrize("how", ["flip", pytest.param("truncate", marks=pytest.mark.heavy)])
+def test_a_damaged_shard_of_the_newest_dcp_step_is_skipped_and_the_run_ends_bitwise_equal(
+    tmp_path: Path, how: str
+) -> None:
+    def launch(args: list[str], env: dict[str, str]):
+        return run_torchrun(2, args, cwd=tmp_path, env=env)
+
+    fsdp = ["--strategy", "fsdp"]
+    reference = tmp_path / "reference"
+    assert launch([*JOB, *fsdp, "--output_dir", str(reference)], {}).returncode == 0
+    # rank 1 dies at step 18's forward: the newest step directory is 15, the one before
+    # it 12 (the end of epoch 1)
+    newest, log = _killed_then_resumed(tmp_path, launch, fsdp, 18, how)
+    assert newest.name == "step_000000015"
+    assert "skipping unusable checkpoint" in log and "is damaged" in log and str(newest) in log
+    assert "epoch 1 done, step 12" in log
+    assert_bitwise(weights(tmp_path / "run"), weights(reference))
+
+
+def test_resume_from_a_damaged_file_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    base = ["train", "--batch_size", "32", "--log_interval", "4", "--output_dir", str(run)]
+    assert main([*base, "--epochs", "1"]) == 0
+    step = list_checkpoints(run / "checkpoints")[0]
+    _damage(step, "flip")
+    capsys.readouterr()
+    forget_reads()
+    assert main([*base, "--epochs", "2", "--resume_from", str(step)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("ddptrain: error: checkpoint"), err
+    assert "is damaged: tensor" in err[0] and "does not match its checksum" in err[0]
+
+
+def _written() -> int:
+    return int(next(line for line in Path("/proc/self/io").read_text().splitlines()
+                    if line.startswith("wchar:")).split()[1])
+
+
+def test_a_checkpoint_is_written_once_latest_and_best_are_links_to_it(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    ctx = DistributedContext(0, 0, 1, CPU)
+    state = {"step": 3, "model_state_dict": {"w": torch.ones(4_000_000)}}  # 16 MB
+    before = _written()
+    path = save_checkpoint(directory, 3, state, ctx, keep_last=0, best=True)
+    written = _written() - before
+    size = path.stat().st_size
+    assert size <= written < 1.1 * size, f"{written} bytes written for a {size}-byte state"
+    inodes = {(directory / name).stat().st_ino for name in (path.name, "latest.pt", "best.pt")}
+    assert len(inodes) == 1
+    # pruning the step file leaves best.pt whole
+    save_checkpoint(directory, 4, {**state, "step": 4}, ctx, keep_last=1)
+    assert not path.exists()
+    assert load_checkpoint(directory / "best.pt", CPU, verify=True)["step"] == 3
+
+
+def test_a_resume_reads_its_checkpoint_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    base = ["train", "--batch_size", "32", "--log_interval", "4", "--output_dir", str(run)]
+    assert main([*base, "--epochs", "1"]) == 0
+    forget_reads()
+    loads: list[str] = []
+    real_load = torch.load
+
+    def counting(f, *args, **kwargs):
+        loads.append(str(f))
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting)
+    assert main([*base, "--epochs", "2", "--resume_from", "auto"]) == 0
+    read = [p for p in loads if "checkpoints" in p]
+    # the finished-run check, the locating (with its checksums) and the load: one read
+    assert len(read) == 1, read
