@@ -10,6 +10,8 @@ killed run and its resume are the same run:
                      its N-th training forward: a kill at an exact step, at any load
   GUARD_RECORD=DIR   the recorder appends the sample ids of each training batch to
                      DIR/rank<R>.txt, one line per batch
+  GUARD_SLOW_SAVE_S=S  rank 0's first checkpoint after training began takes S seconds
+                     longer (the model's state is read that much later): a slow disk
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +61,13 @@ class DropoutNet(nn.Module):
         if self.training:
             self.kill.tick()
         return self.net(x)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        slow = float(os.environ.get("GUARD_SLOW_SAVE_S", "0"))
+        if slow and _rank() == 0 and self.kill.forwards and not getattr(self, "_slowed", 0):
+            self._slowed = 1
+            time.sleep(slow)
+        return super().state_dict(*args, **kwargs)
 
 
 def dropout_net(config: Any, input_shape: tuple[int, ...], outputs: int) -> nn.Module:

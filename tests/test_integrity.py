@@ -174,3 +174,26 @@ def test_a_resume_reads_its_checkpoint_once(
     read = [p for p in loads if "checkpoints" in p]
     # the finished-run check, the locating (with its checksums) and the load: one read
     assert len(read) == 1, read
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_a_slow_checkpoint_write_is_told_apart_from_a_lost_peer(tmp_path: Path) -> None:
+    """Rank 0's first save takes 12 s more. The other rank waits for it on the checkpoint's
+    own group: past --timeout_s (6 s) the run goes on; past --checkpoint_timeout_s the
+    waiting rank stops with a line about the storage (exit 74), not about a dead peer."""
+    env = {"GUARD_SLOW_SAVE_S": "12"}
+    args = [*JOB, "--epochs", "1", "--timeout_s", "6", "--no-tensorboard"]
+    ok = run_torchrun(2, [*args, "--output_dir", str(tmp_path / "ok")], cwd=tmp_path, env=env)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    stuck = run_torchrun(
+        2, [*args, "--checkpoint_timeout_s", "3", "--output_dir", str(tmp_path / "stuck")],
+        cwd=tmp_path, env=env,
+    )
+    assert stuck.returncode != 0
+    lines = [x for x in stuck.stderr.splitlines() if "ddptrain: " in x]
+    assert any(
+        "did not finish writing the checkpoint" in x and "--checkpoint_timeout_s 3" in x
+        and "the storage is slow or stuck" in x for x in lines
+    ), stuck.stderr[-3000:]
+    assert "exitcode  : 74" in stuck.stderr or "exitcode: 74" in stuck.stderr, stuck.stderr[-2000:]

@@ -148,10 +148,15 @@ class TrainingConfig:
     checkpoint_format: Literal["auto", "file", "dcp"] = _f(
         "auto",
         "file: one .pt written by rank 0 | dcp: a step directory, every rank writes its shard "
-        "(auto: dcp under zero and fsdp, file under ddp)",
+        "(auto: dcp under zero and fsdp, and under ddp once the model and optimizer "
+        "state pass 2 GiB; file otherwise)",
     )
     async_checkpoint: bool = _f(
         False, "dcp: write checkpoints in the background while training goes on"
+    )
+    checkpoint_timeout_s: float = _f(
+        1800.0, "how long ranks wait for a checkpoint write before calling the storage "
+        "stuck (apart from --timeout_s: a slow save is not a lost peer)",
     )
     # Logging and profiling
     log_interval: int = _f(10, "optimizer steps between train metric lines")
@@ -217,8 +222,9 @@ class TrainingConfig:
             _bad("lr", self.lr, "use a positive learning rate such as 0.01")
         if self.val_fraction is not None and not 0 < self.val_fraction < 1:
             _bad("val_fraction", self.val_fraction, "use a fraction between 0 and 1, e.g. 0.2")
-        if not self.timeout_s > 0:
-            _bad("timeout_s", self.timeout_s, "use a positive number of seconds")
+        for name in ("timeout_s", "checkpoint_timeout_s"):
+            if not getattr(self, name) > 0:
+                _bad(name, getattr(self, name), "use a positive number of seconds")
         if self.global_batch_size is not None and self.global_batch_size < 1:
             _bad("global_batch_size", self.global_batch_size, "use a whole number of samples")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

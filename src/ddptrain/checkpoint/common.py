@@ -18,6 +18,8 @@ import os
 import shutil
 import sys
 import zipfile
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +41,26 @@ class CheckpointError(ConfigError):
 
 
 class CheckpointWriteError(TrainingStopped):
-    """A checkpoint could not be written (disk full, quota, I/O error)."""
+    """A checkpoint could not be written (disk full, quota, I/O error, a stuck write)."""
 
     exit_code = EXIT_IO
+
+
+@dataclass(frozen=True)
+class SaveGroup:
+    """The gloo group ranks wait on for a checkpoint write, and how long they wait
+    (`--checkpoint_timeout_s`)."""
+
+    group: Any
+    timeout_s: float
+
+
+def saving_group(ctx: DistributedContext, timeout_s: float) -> SaveGroup | None:
+    """Collective: the group of `SaveGroup`; None on one process."""
+    if not ctx.distributed:
+        return None
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return SaveGroup(group, timeout_s)
 
 
 # ---------------------------------------------------------------------- writing
@@ -100,16 +119,31 @@ def stamped(state: dict[str, Any]) -> dict[str, Any]:
 
 def agree_on_write(
     failure: BaseException | None, path: Path, directory: Path, ctx: DistributedContext,
-    who: str = "rank 0",
+    who: str = "rank 0", group: SaveGroup | None = None,
 ) -> None:
     """Collective (also the barrier after a write): every rank learns whether any rank's
-    write failed, and all stop with the same line naming the path and the errno."""
+    write failed, and all stop with the same line naming the path and the errno.
+
+    On `group` (`saving_group`, gloo) the wait has the checkpoint's own timeout, and a
+    write that outlasts it is its own line (exit 74), not "a peer died"."""
     code = 0
     if failure is not None:
         code = (getattr(failure, "errno", None) or -1) if isinstance(failure, OSError) else -1
     if ctx.distributed:
-        status = torch.tensor([float(code)], device=ctx.device)  # NCCL reduces on the GPU
-        dist.all_reduce(status, op=dist.ReduceOp.MAX)  # also the barrier: none reads ahead
+        # gloo reduces on the CPU; NCCL (no group given) on the GPU
+        status = torch.tensor([float(code)], device="cpu" if group else ctx.device)
+        try:  # also the barrier: none reads ahead
+            dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group and group.group)
+        except Exception as exc:
+            if group is None or not timed_out(exc):
+                raise
+            raise CheckpointWriteError(
+                f"{who} did not finish writing the checkpoint {str(path)!r} within "
+                f"--checkpoint_timeout_s {group.timeout_s:g}: the storage is slow or stuck "
+                "(its rank is still connected); the previous checkpoint is intact: check the "
+                "filesystem or raise --checkpoint_timeout_s, then resume with "
+                "--resume_from auto"
+            ) from None
         code = int(status.item())
     if not code:
         return
@@ -126,6 +160,12 @@ def agree_on_write(
         f"previous checkpoint in {directory} is intact: free space or give another "
         "--checkpoint_dir, then resume with --resume_from auto"
     )
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether a failed collective gave up waiting (rather than lost its peer)."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def _first_line(exc: BaseException) -> str:

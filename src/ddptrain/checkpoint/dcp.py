@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ddptrain.checkpoint.common import (
     CheckpointError,
+    SaveGroup,
     agree_on_write,
     atomic_save,
     damaged,
@@ -109,13 +110,16 @@ class ShardedCheckpointer:
     """Writes step directories; collective, like `save_checkpoint`."""
 
     def __init__(
-        self, directory: Path, ctx: DistributedContext, keep_last: int, background: bool
+        self, directory: Path, ctx: DistributedContext, keep_last: int, background: bool,
+        group: SaveGroup | None = None,
     ) -> None:
         self.directory, self.ctx, self.keep_last = directory, ctx, keep_last
         self.background = background
-        # The background thread's collectives must not interleave with the training
-        # loop's on the default group.
-        self.group = dist.new_group(backend="gloo") if background and ctx.distributed else None
+        # Every collective of a save runs on `group` (gloo, `--checkpoint_timeout_s`): a
+        # slow write is told apart from a lost peer, and the background thread's
+        # collectives never interleave with the training loop's on the default group.
+        self.waiting = group
+        self.group = group.group if group is not None else None
         on_gpu = ctx.device.type == "cuda"
         self.stager = DefaultStager(StagingOptions(
             use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
@@ -131,7 +135,7 @@ class ShardedCheckpointer:
         if self.ctx.is_main:
             shutil.rmtree(partial, ignore_errors=True)  # a writer killed at this step
         if self.ctx.distributed:
-            dist.barrier()
+            dist.barrier(group=self.group)
         t0 = time.perf_counter()
         failure: BaseException | None = None
         try:
@@ -143,7 +147,9 @@ class ShardedCheckpointer:
                 )
                 self._pending = (future, partial, final, meta, best)
             else:
-                dcp.save(state, checkpoint_id=partial, planner=planner)
+                dcp.save(
+                    state, checkpoint_id=partial, planner=planner, process_group=self.group
+                )
         except Exception as exc:  # DCP gathers every rank's error; one line follows
             failure = exc
         self.blocking_s.append(time.perf_counter() - t0)
@@ -187,7 +193,9 @@ class ShardedCheckpointer:
                 failure = exc
         if self.ctx.distributed:  # rank 0 records them all; a rank that failed sends None
             every: list[Any] = [None] * self.ctx.world_size if self.ctx.is_main else []
-            dist.gather_object(sums, every if self.ctx.is_main else None, dst=0)
+            dist.gather_object(
+                sums, every if self.ctx.is_main else None, dst=0, group=self.group
+            )
             if self.ctx.is_main:
                 parts = [part for part in every if part is not None]
                 sums = {k: v for part in parts for k, v in part.items()}
@@ -206,7 +214,9 @@ class ShardedCheckpointer:
                 self._prune(final)
             except OSError as exc:
                 failure = exc
-        agree_on_write(failure, final, self.directory, self.ctx, who="a rank")
+        agree_on_write(
+            failure, final, self.directory, self.ctx, who="a rank", group=self.waiting
+        )
 
     def _prune(self, newest: Path) -> None:
         for stale in self.directory.glob(".step_*.partial"):

@@ -31,7 +31,7 @@ def tensor_crc(tensor: torch.Tensor) -> list[int]:
     if data.numel() == 0:
         return [0, 0]
     raw = data.view(torch.uint8).numpy()
-    return [int(raw.nbytes), zlib.crc32(raw)]
+    return [int(raw.nbytes), zlib.crc32(raw.data)]
 
 
 def tensors_in(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:

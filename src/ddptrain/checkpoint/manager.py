@@ -25,6 +25,7 @@ from ddptrain.checkpoint.common import (
     damaged,
     forget_reads,
     read_payload,
+    saving_group,
 )
 from ddptrain.checkpoint.dcp import (
     ShardedCheckpointer,
@@ -154,8 +155,13 @@ class Checkpointer:
     ) -> None:
         self.directory, self.ctx, self.strategy = config.ckpt_dir, ctx, strategy
         self.keep_last = config.keep_last
+        # Ranks wait for a write on a group of its own, with its own timeout: a slow
+        # filesystem is told apart from a lost peer (`--timeout_s` on the main group).
+        self.group = saving_group(ctx, config.checkpoint_timeout_s)
         self.sharded = (
-            ShardedCheckpointer(config.ckpt_dir, ctx, config.keep_last, config.async_checkpoint)
+            ShardedCheckpointer(
+                config.ckpt_dir, ctx, config.keep_last, config.async_checkpoint, self.group
+            )
             if kind == "dcp" else None
         )
 
@@ -180,7 +186,9 @@ class Checkpointer:
             return self.sharded.save(step, meta, {"model": model, "optim": optim}, best)
         model, optim = self.strategy.full_state(module, optimizer)
         state = {**meta, "model_state_dict": model, "optimizer_state_dict": optim}
-        return save_checkpoint(self.directory, step, state, self.ctx, self.keep_last, best=best)
+        return save_checkpoint(
+            self.directory, step, state, self.ctx, self.keep_last, best=best, group=self.group
+        )
 
     def wait(self) -> None:
         """Finish the save in flight, if any."""

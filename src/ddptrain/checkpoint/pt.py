@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ddptrain.checkpoint.common import agree_on_write, atomic_save, stamped
+from ddptrain.checkpoint.common import SaveGroup, agree_on_write, atomic_save, stamped
 from ddptrain.context import DistributedContext
 
 LATEST = "latest.pt"
@@ -46,13 +46,14 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 def save_checkpoint(
     directory: Path, step: int, state: dict[str, Any], ctx: DistributedContext, keep_last: int,
-    best: bool = False,
+    best: bool = False, group: SaveGroup | None = None,
 ) -> Path:
     """Collective: every rank calls it; rank 0 writes, then all learn whether it could.
 
     A failed write (a full disk, a quota, a vanished mount) leaves the previous checkpoint
     as it was, and every rank stops with the same line naming the path and the errno,
-    instead of the other ranks blaming the network once rank 0 is gone."""
+    instead of the other ranks blaming the network once rank 0 is gone. `group`: the
+    process group the others wait on (`saving_group`: the checkpoint's own timeout)."""
     path = directory / checkpoint_name(step)
     failure: OSError | None = None
     if ctx.is_main:
@@ -63,5 +64,5 @@ def save_checkpoint(
             prune(directory, keep_last)
         except OSError as exc:
             failure = exc
-    agree_on_write(failure, path, directory, ctx)
+    agree_on_write(failure, path, directory, ctx, group=group)
     return path

@@ -23,6 +23,9 @@ from ddptrain.parallel.zero import Zero
 
 STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "zero": Zero, "fsdp": FSDP}
 SINGLE = "single process"
+# Above this much model + optimizer state, `--checkpoint_format auto` has every ddp rank
+# write a part (DCP) instead of rank 0 writing the whole state while the others wait.
+DCP_ABOVE_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -34,10 +37,20 @@ class StrategyChoice:
     world_size: int
     checkpoint_kind: str
     cls: type[Strategy]
+    auto_format: bool = False  # --checkpoint_format auto: the kind may follow the size
 
     def rank_bytes(self, parameters: int, slots: int) -> dict[str, int]:
         """fp32 bytes of parameters, gradients and optimizer state one rank holds."""
         return implied_bytes(self.name, self.world_size, parameters, slots)
+
+    def checkpoint_kind_for(self, parameters: int, slots: int) -> str:
+        """The checkpoint kind for a model of `parameters`: `--checkpoint_format auto`
+        under ddp turns to dcp once the state passes `DCP_ABOVE_BYTES`, so that every
+        rank writes a part of it in parallel (replicated tensors are written once)."""
+        auto_file = self.checkpoint_kind == "file" and self.auto_format
+        if auto_file and self.world_size > 1 and 4 * parameters * (1 + slots) > DCP_ABOVE_BYTES:
+            return "dcp"
+        return self.checkpoint_kind
 
     def build(
         self, ctx: DistributedContext, config: TrainingConfig, param_dtype: torch.dtype | None
@@ -64,10 +77,11 @@ def resolve_strategy(
             f"--fsdp_cpu_offload is invalid on {where}: it moves GPU shards of 2+ ranks "
             "into CPU memory, and here the parameters already live there; drop the flag"
         )
+    auto = config.checkpoint_format == "auto"
     if world_size == 1:
-        return StrategyChoice(SINGLE, 1, config.checkpoint_kind, Strategy)
+        return StrategyChoice(SINGLE, 1, config.checkpoint_kind, Strategy, auto)
     return StrategyChoice(
-        config.strategy, world_size, config.checkpoint_kind, STRATEGIES[config.strategy]
+        config.strategy, world_size, config.checkpoint_kind, STRATEGIES[config.strategy], auto
     )
 
 

@@ -75,11 +75,17 @@ def make_plan(
         train_samples=n, dropped=dropped, batches_per_rank=batches, steps_per_epoch=spe,
         total_steps=spe * cfg.epochs if spe is not None else None, base_lr=cfg.lr,
         peak_lr=peak_lr(cfg, w), warmup_steps=cfg.warmup_epochs * spe if spe else None,
-        checkpoints=", ".join(cadence) + f" {strategy.checkpoint_kind} into {cfg.ckpt_dir}",
+        checkpoints=", ".join(cadence) + f" {_kind(strategy, parameters, cfg)} into {cfg.ckpt_dir}",
         rank_bytes=None if parameters is None else strategy.rank_bytes(
             parameters, optimizer_slots(cfg)
         ),
     )
+
+
+def _kind(strategy: StrategyChoice, parameters: int | None, cfg: TrainingConfig) -> str:
+    if parameters is None:
+        return strategy.checkpoint_kind
+    return strategy.checkpoint_kind_for(parameters, optimizer_slots(cfg))
 
 
 def _n(value: int | float | None) -> str:

@@ -52,6 +52,7 @@ from ddptrain.observe.flops import gpu_fields, meta_shadow
 from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.trackers import tracker_hooks
 from ddptrain.parallel import StrategyChoice, resolve_strategy
+from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.train.evaluate import Evaluator
 from ddptrain.train.metrics import EpochMeter, MetricSums, reduce_snapshots
 from ddptrain.train.optim import build_scheduler, optimizer_spec, peak_lr
@@ -125,7 +126,10 @@ class Trainer:
             Curves(sync=config.tracker != "none"), *tracker_hooks(config, ctx), *hooks,
         ])
         seed_process(config.seed + ctx.rank)  # per-rank randomness (dropout, user aug.)
-        self.checkpoints = Checkpointer(config, ctx, self.strategy, self.choice.checkpoint_kind)
+        kind = self.choice.checkpoint_kind_for(
+            sum(p.numel() for p in self.module.parameters()), optimizer_slots(config)
+        )
+        self.checkpoints = Checkpointer(config, ctx, self.strategy, kind)
         self.evaluator = Evaluator(
             self.module, self.call, self.scorer, self.precision, self.strategy, ctx,
             self.val_loader, self.memory_format,
