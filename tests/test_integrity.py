@@ -197,3 +197,19 @@ def test_a_slow_checkpoint_write_is_told_apart_from_a_lost_peer(tmp_path: Path) 
         and "the storage is slow or stuck" in x for x in lines
     ), stuck.stderr[-3000:]
     assert "exitcode  : 74" in stuck.stderr or "exitcode: 74" in stuck.stderr, stuck.stderr[-2000:]
+
+
+def test_a_large_ddp_state_is_written_by_every_rank() -> None:
+    """`--checkpoint_format auto` under ddp: one file from rank 0 while the state is small,
+    a DCP step directory (every rank writes a part) once it passes 2 GiB."""
+    from ddptrain.config import TrainingConfig
+    from ddptrain.parallel import resolve_strategy
+
+    small, large = 10_000_000, 200_000_000  # AdamW: x3 fp32 -> 120 MB, 2.4 GB
+    ddp = resolve_strategy(TrainingConfig(), 8, "cpu")
+    assert ddp.checkpoint_kind_for(small, 2) == "file"
+    assert ddp.checkpoint_kind_for(large, 2) == "dcp"
+    forced = resolve_strategy(TrainingConfig(checkpoint_format="file"), 8, "cpu")
+    assert forced.checkpoint_kind_for(large, 2) == "file"
+    single = resolve_strategy(TrainingConfig(), 1, "cpu")
+    assert single.checkpoint_kind_for(large, 2) == "file"
