@@ -4,13 +4,16 @@
 
 The run is real (CPU, gloo); `gpu_fields` sees this rank's device as cuda, and the CUDA
 queries it makes (peak memory, device name) are faked. So the path only a GPU reaches,
-counting the model's FLOPs for MFU, runs under every strategy.
+counting the model's FLOPs for MFU, runs under every strategy. Those fakes are installed
+when this file runs as a script; imported, it only offers `fake_pinning`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,11 +29,35 @@ def _standin(model: Any, batch: Any, samples_per_sec: float, ctx: Any, dtype: An
     return _real(model, batch, samples_per_sec, cuda, dtype)
 
 
-torch.cuda.max_memory_allocated = lambda device=None: PEAK_MB * 2**20  # type: ignore[assignment]
-torch.cuda.get_device_name = lambda device=None: "NVIDIA H100 80GB HBM3"  # type: ignore[assignment]
-flops.gpu_fields = _standin  # before the trainer imports it
+def install() -> None:
+    torch.cuda.max_memory_allocated = lambda device=None: PEAK_MB * 2**20  # type: ignore[assignment]
+    torch.cuda.get_device_name = lambda device=None: "NVIDIA H100 80GB HBM3"  # type: ignore[assignment]
+    flops.gpu_fields = _standin  # before the trainer imports it
+
+
+@contextlib.contextmanager
+def fake_pinning() -> Iterator[set[int]]:
+    """Page-locked memory needs CUDA: inside, `Tensor.pin_memory()` returns a copy and
+    adds its data pointer to the set it yields (what was pinned), and `is_pinned()` asks
+    that set."""
+    pinned: set[int] = set()
+    real_pin, real_is = torch.Tensor.pin_memory, torch.Tensor.is_pinned
+
+    def pin(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        copy = t.clone()
+        pinned.add(copy.data_ptr())
+        return copy
+
+    torch.Tensor.pin_memory = pin  # type: ignore[method-assign]
+    torch.Tensor.is_pinned = lambda t, *a, **k: t.data_ptr() in pinned  # type: ignore[method-assign]
+    try:
+        yield pinned
+    finally:
+        torch.Tensor.pin_memory, torch.Tensor.is_pinned = real_pin, real_is  # type: ignore[method-assign]
+
 
 if __name__ == "__main__":
+    install()
     from ddptrain.cli import main
 
     sys.exit(main(sys.argv[1:]))

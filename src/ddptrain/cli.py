@@ -110,10 +110,20 @@ def _lost_peer(exc: BaseException) -> bool:
 
     if isinstance(exc, dist.DistError):
         return True
-    # gloo reports a dead or silent peer as a plain RuntimeError from its transport.
+    # gloo reports a dead or silent peer as a plain RuntimeError from its transport; NCCL's
+    # watchdog (a collective past --timeout_s, or a failed one) aborts the communicators,
+    # and the next wait or collective raises (DistBackendError, or a RuntimeError).
     text = str(exc)
-    signs = ("gloo/transport", "pair closure", "Connection closed by peer", "Connection reset")
-    return isinstance(exc, RuntimeError) and any(sign in text for sign in signs)
+    return isinstance(exc, RuntimeError) and (
+        any(sign in text for sign in _PEER_SIGNS) or bool(_NCCL_TIMEOUT.search(text))
+    )
+
+
+_PEER_SIGNS = (
+    "gloo/transport", "pair closure", "Connection closed by peer", "Connection reset",
+    "Watchdog caught collective operation timeout", "NCCL communicator was aborted",
+)
+_NCCL_TIMEOUT = re.compile(r"ProcessGroupNCCL.*(timed out|timeout)", re.IGNORECASE)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -156,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             "hung longer than --timeout_s, or the network failed; restart the job with "
             "--resume_from auto"
         )
+        _note_exit(EXIT_PEER_LOST)
         return EXIT_PEER_LOST
     except KeyboardInterrupt:
         _report("interrupted")

@@ -4,7 +4,7 @@ code each way gets.
 | code | meaning |
 | --- | --- |
 | 2 | bad input (config, environment, data, checkpoint): one `ddptrain: error:` line |
-| 3 | lost contact with the other ranks (a peer died or hung past --timeout_s) |
+| 3 | lost contact with the other ranks (a peer died or hung past --timeout_s; NCCL aborted) |
 | 4 | training diverged: --max_bad_steps optimizer steps in a row had non-finite gradients |
 | 74 | a checkpoint could not be written (disk full, I/O error); the previous one is intact |
 | 75 | stopped by SIGTERM after writing a checkpoint: resume with --resume_from auto |

@@ -44,6 +44,20 @@ def to_device(
     return batch
 
 
+def pin_batch(batch: Any) -> Any:
+    """Every tensor of a nested batch in page-locked memory, so that `to_device`'s
+    non-blocking copy to a GPU runs asynchronously (from pageable memory the host waits
+    for it)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, Mapping):
+        return type(batch)({k: pin_batch(v) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, (list, tuple)):
+        pinned = [pin_batch(v) for v in batch]
+        return type(batch)(*pinned) if hasattr(batch, "_fields") else type(batch)(pinned)
+    return batch
+
+
 def mark_batch_dynamic(inputs: Any) -> None:
     """Tell torch.compile the first dimension of every input varies, so an epoch's short
     last batch reuses the compiled graph instead of compiling another."""

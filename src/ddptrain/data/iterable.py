@@ -127,10 +127,12 @@ class IterableBatches:
         t0 = time.perf_counter()
         batch = next(it, None)
         state = self.shard.state_dict() if self.stateful else None  # right after this batch
-        self._flag.fill_(0.0 if batch is None else 1.0)
-        if self.ctx.distributed:
+        more = batch is not None
+        if self.ctx.distributed:  # the one host read per micro-batch a stream needs
+            self._flag.fill_(float(more))
             dist.all_reduce(self._flag, op=dist.ReduceOp.MIN)
-        return batch, bool(self._flag.item()), time.perf_counter() - t0, state
+            more = bool(self._flag.item())
+        return batch, more, time.perf_counter() - t0, state
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[Any, Micro, float]]:
         """(batch, its place, seconds waited) for each micro-batch of the epoch. The

@@ -18,6 +18,7 @@ from torch.utils.data import (
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.data.arrays import ArrayDataset, as_sliceable
+from ddptrain.data.batch import pin_batch
 from ddptrain.data.epoch import Micro, epoch_order, plan_epoch, steps_per_epoch
 from ddptrain.data.iterable import IterableBatches
 from ddptrain.data.loader import make_loader
@@ -103,8 +104,11 @@ class TrainBatches:
     def batches(self, order: torch.Tensor, plan: list[Micro]) -> Iterator[Any]:
         if self.in_process:
             dataset: ArrayDataset = self.dataset  # type: ignore[assignment]
+            # Pinned for a GPU, as a DataLoader's are: the copy then overlaps the step.
+            pin = self.ctx.device.type == "cuda"
             for m in plan:
-                yield dataset.batch(order[m.lo : m.hi])
+                batch = dataset.batch(order[m.lo : m.hi])
+                yield pin_batch(batch) if pin else batch
             return
         assert self.loader is not None  # not in-process: a DataLoader was built
         self.sampler.batches = [order[m.lo : m.hi].tolist() for m in plan]

@@ -16,6 +16,7 @@ from torch.utils.data import (
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.data.arrays import ArrayDataset, as_sliceable
+from ddptrain.data.batch import pin_batch
 from ddptrain.data.iterable import make_iterable_loader
 from ddptrain.data.loader import make_loader
 
@@ -44,7 +45,7 @@ def make_val_loader(dataset: Dataset, config: TrainingConfig, ctx: DistributedCo
     indices = torch.arange(ctx.rank, len(dataset), ctx.world_size)  # type: ignore[arg-type]
     dataset = as_sliceable(dataset)
     if isinstance(dataset, ArrayDataset) and config.num_workers == 0:
-        return _ArrayBatches(dataset, indices, config.batch_size)
+        return _ArrayBatches(dataset, indices, config.batch_size, ctx.device.type == "cuda")
     return make_loader(dataset, config, ctx, batch_size=config.batch_size,
                        sampler=ShardSampler(len(dataset), ctx))  # type: ignore[arg-type]
 
@@ -52,9 +53,13 @@ def make_val_loader(dataset: Dataset, config: TrainingConfig, ctx: DistributedCo
 class _ArrayBatches:
     """Validation batches of an in-memory dataset, sliced in-process."""
 
-    def __init__(self, dataset: ArrayDataset, indices: torch.Tensor, batch_size: int) -> None:
+    def __init__(
+        self, dataset: ArrayDataset, indices: torch.Tensor, batch_size: int, pin: bool = False
+    ) -> None:
         self.dataset, self.indices, self.batch_size = dataset, indices, batch_size
+        self.pin = pin  # page-locked for a GPU's non-blocking copy
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for i in range(0, len(self.indices), self.batch_size):
-            yield self.dataset.batch(self.indices[i : i + self.batch_size])
+            batch = self.dataset.batch(self.indices[i : i + self.batch_size])
+            yield pin_batch(batch) if self.pin else batch

@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,8 @@ def setup_distributed(
     if cluster.world_size == 1:
         return DistributedContext(0, 0, 1, device, backend=None)
     cluster.export_rendezvous()  # srun tasks: env:// needs MASTER_ADDR/PORT
+    if backend == "nccl":
+        abort_hung_collectives()
     try:
         dist.init_process_group(
             backend=backend,
@@ -82,6 +85,21 @@ def setup_distributed(
     return DistributedContext(
         cluster.rank, cluster.local_rank, cluster.world_size, device, backend=backend
     )
+
+
+# How ProcessGroupNCCL's watchdog answers a collective that failed or ran past --timeout_s.
+# 2 (CleanUpOnly) aborts the communicators and leaves the process alive: the main thread's
+# wait or next collective raises DistBackendError, and the run ends with exit 3 and one
+# line. torchrun sets 1 and torch defaults to 3: the watchdog then kills the process
+# (SIGABRT, its own traceback). A value of 0, 2 or 3 set by the user is kept.
+ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def abort_hung_collectives(environ: dict[str, str] | None = None) -> None:
+    """Before an NCCL process group starts: a hung collective is aborted, and raises."""
+    env: Any = os.environ if environ is None else environ
+    if env.get(ASYNC_ERROR_HANDLING, "1") == "1" and "NCCL_ASYNC_ERROR_HANDLING" not in env:
+        env[ASYNC_ERROR_HANDLING] = "2"
 
 
 def _attempt_store(cluster: ClusterEnv, timeout_s: float) -> dist.Store | None:
@@ -147,4 +165,9 @@ def teardown_distributed(clean: bool) -> None:
             dist.barrier()
         except Exception as exc:  # a peer died after our last collective
             log.warning("barrier before teardown failed: %s", exc)
-    dist.destroy_process_group()
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # after a failure (an aborted NCCL communicator): best effort
+        if clean:
+            raise
+        log.debug("destroying the process group after a failure: %s", exc)

@@ -87,11 +87,18 @@ class Strategy:
 
         GradScaler's fused check (with a scale of 1, which leaves the values as they
         are) costs a few µs where a norm costs tens. Under DDP every rank holds the same
-        all-reduced gradients, so the local verdict is already the global one."""
+        all-reduced gradients, so the local verdict is already the global one. The one
+        host read of the step: a strategy that must agree across ranks all-reduces
+        `nonfinite_flag` and reads that, not this verdict first."""
+        return not self.nonfinite_flag(params).item()
+
+    def nonfinite_flag(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """1.0 on the device when this rank holds a non-finite gradient, else 0.0; no
+        host read."""
         grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         self._found_inf.zero_()
         torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, self._one)
-        return not self._found_inf.item()
+        return self._found_inf
 
     # ------------------------------------------------------------------ state
     def full_state(

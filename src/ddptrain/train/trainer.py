@@ -417,10 +417,11 @@ class Trainer:
         global count of the window (tokens, or samples of an iterable dataset)."""
         if self.ctx.distributed:
             dist.all_reduce(count)
-        factor = self.nominal / count.item() if count.item() > 0 else 0.0
+        # On the device: reading the count would make the host wait for the backward.
+        factor = torch.where(count > 0, self.nominal / count, 0.0)
         grads = [p.grad for p in self.params if p.grad is not None]
-        if grads and factor != 1.0:
-            torch._foreach_mul_(grads, factor)
+        if grads:
+            torch._foreach_mul_(grads, factor.squeeze())
 
     def evaluate(self) -> dict[str, float]:
         """The task's figures over every validation sample exactly once (collective)."""

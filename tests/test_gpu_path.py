@@ -1,0 +1,346 @@
+"""The GPU path's per-step costs and failure lines: host reads of device values per step
+(counted), pinned in-memory batches, and a failed or hung NCCL collective as exit 3.
+
+The training step never waits for the device. A read that makes the host wait is
+`.item()`, `bool()`, `float()`, `int()` and `if t:` (all dispatched as
+`aten._local_scalar_dense`), a copy from a device to the CPU, and `.tolist()` /
+`.numpy()` / `.cpu()` (a CPU tensor answers those without any dispatch, so they are
+patched). The runs are real single-process CPU runs: every tensor is a CPU tensor
+here, so reads of host values by design are left out by where they are made: the data
+code's index lists (before the batch moves to the device) and torch.optim's step counters
+(CPU tensors, also on a GPU).
+
+Each read is filed under `progress.step` when it happens: reads filed under step k are
+those of step k's metric sync (if any) and of step k+1's forward, backward and optimizer
+step. The only reads allowed:
+
+- the metric sync (`reduce_snapshots`), at most one read, on the steps that sync;
+- the non-finite check, one read per step (`Strategy.grads_finite`, or the clipped norm's
+  `isfinite`), when `--max_bad_steps` > 0: skipping a step on every rank is a host
+  decision. With `--max_bad_steps 0` a step that does not sync reads nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import IterableDataset, TensorDataset
+
+from ddptrain import fit
+from ddptrain.config import TrainingConfig
+from ddptrain.observe import Hook
+
+SRC = str(Path(__file__).resolve().parent.parent / "src" / "ddptrain")
+HOST_SIDE = (f"{SRC}/data/",)  # index lists and host batches, before the device move
+SYNC_SITE = "reduce_snapshots"
+FINITE_SITES = ("grads_finite", "_optimizer_step")
+
+
+def _site() -> str | None:
+    """Where in ddptrain a read was made (`file:line function`), or None when it is a
+    host read by design."""
+    frames = traceback.extract_stack()[:-3]
+    for frame in reversed(frames):
+        if "/torch/optim/" in frame.filename:
+            return None  # an optimizer's step counter: a CPU tensor, also on a GPU
+        if frame.filename.startswith(SRC):
+            if frame.filename.startswith(HOST_SIDE) and not frame.filename.endswith(
+                "iterable.py"
+            ):
+                return None
+            return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+    return None  # outside ddptrain (the test itself)
+
+
+class HostReads(TorchDispatchMode):
+    """Records each host read of a tensor while active, with `step()` as its step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = -1
+        self.reads: dict[int, list[str]] = defaultdict(list)
+        self._patched: list[tuple[str, Any]] = []
+
+    def _record(self, what: str) -> None:
+        site = _site()
+        if site is not None:
+            self.reads[self.step].append(f"{what} at {site}")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self._record("item")
+        elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            dst = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get(
+                "device", src.device
+            )
+            if src.device.type != "cpu" and torch.device(dst).type == "cpu":
+                self._record("copy to cpu")
+        return func(*args, **kwargs)
+
+    def __enter__(self) -> HostReads:
+        for name in ("tolist", "numpy", "cpu"):
+            real = getattr(torch.Tensor, name)
+
+            def counted(t: torch.Tensor, *a: Any, _real: Any = real, _name: str = name,
+                        **k: Any) -> Any:
+                self._record(_name)
+                return _real(t, *a, **k)
+
+            self._patched.append((name, real))
+            setattr(torch.Tensor, name, counted)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        for name, real in self._patched:
+            setattr(torch.Tensor, name, real)
+        self._patched.clear()
+
+
+class Watch(Hook):
+    """Counts host reads from the first step to the end of the last epoch's training."""
+
+    def __init__(self, reads: HostReads) -> None:
+        self.reads = reads
+        self.synced: set[int] = set()
+        self.last = 0
+
+    def on_epoch_start(self, trainer: Any, epoch: int) -> None:
+        import ddptrain.train.trainer as loop
+
+        real = loop.reduce_snapshots
+
+        def reduce(*a: Any, **k: Any) -> Any:
+            self.synced.add(trainer.progress.step)
+            return real(*a, **k)
+
+        loop.reduce_snapshots = reduce  # restored by the test's monkeypatch
+        self.reads.step = trainer.progress.step
+        self.reads.__enter__()
+
+    def on_step_end(self, trainer: Any) -> None:
+        self.reads.step = self.last = trainer.progress.step
+
+    def on_row(self, trainer: Any, row: dict[str, Any]) -> None:
+        if row["split"] == "val" and self.reads._patched:
+            self.reads.__exit__(None, None, None)
+
+
+def _check(watch: Watch, finite_reads: int) -> None:
+    reads = watch.reads.reads
+    steps = range(1, watch.last)  # the last step's reads are the epoch's end
+    quiet = [k for k in steps if k not in watch.synced]
+    assert len(quiet) > len(steps) // 2, watch.synced
+    for k in steps:
+        extra = [r for r in reads.get(k, []) if not any(s in r for s in FINITE_SITES)]
+        finite = [r for r in reads.get(k, []) if any(s in r for s in FINITE_SITES)]
+        assert len(finite) == finite_reads, (k, finite)
+        if k in watch.synced:
+            assert len(extra) <= 1 and all(SYNC_SITE in r for r in extra), (k, extra)
+        else:
+            assert not extra, f"step {k} reads device values on the host: {extra}"
+
+
+def _run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, datasets: Any = None, **fields: Any
+) -> Watch:
+    import ddptrain.train.trainer as loop
+
+    monkeypatch.setattr(loop, "reduce_snapshots", loop.reduce_snapshots)
+    reads = HostReads()
+    watch = Watch(reads)
+    try:
+        config = TrainingConfig(
+            output_dir=str(tmp_path / "run"), epochs=1, save_every=0, tensorboard=False,
+            **fields,
+        )
+        fit(config, hooks=[watch], datasets=datasets)
+    finally:
+        if reads._patched:
+            reads.__exit__(None, None, None)
+    return watch
+
+
+@pytest.mark.parametrize("max_bad_steps", [0, 5])
+def test_a_step_reads_nothing_back_from_the_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_bad_steps: int
+) -> None:
+    watch = _run(
+        tmp_path, monkeypatch, dataset="digits", model="mlp", batch_size=16, width=16,
+        log_interval=4, grad_accum_steps=2, max_bad_steps=max_bad_steps,
+    )
+    _check(watch, 1 if max_bad_steps else 0)
+
+
+def test_clipping_reads_once_for_the_finite_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    watch = _run(
+        tmp_path, monkeypatch, dataset="digits", model="mlp", batch_size=32, width=16,
+        log_interval=3, max_grad_norm=1.0, optimizer="adamw",
+    )
+    _check(watch, 1)
+    watch = _run(
+        tmp_path / "b", monkeypatch, dataset="digits", model="mlp", batch_size=32, width=16,
+        log_interval=3, max_grad_norm=1.0, max_bad_steps=0,
+    )
+    _check(watch, 0)
+
+
+class Stream(IterableDataset):
+    """Samples of unknown count: the step rescales by the window's true count."""
+
+    def __iter__(self) -> Any:
+        g = torch.Generator().manual_seed(0)
+        for i in range(200):
+            yield torch.randn(4, generator=g), torch.tensor(i % 2)
+
+
+def test_a_stream_step_rescales_on_the_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    val = TensorDataset(torch.randn(8, 4), torch.arange(8) % 2)
+    watch = _run(
+        tmp_path, monkeypatch, datasets=(Stream(), val), model="mlp", batch_size=8,
+        width=8, log_interval=4, max_bad_steps=0, num_classes=2,
+    )
+    _check(watch, 0)
+
+
+class Rows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((3,), float(i)), i % 2
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    return [t for t in batch if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_in_memory_batches_are_pinned_for_a_gpu_only(device: str) -> None:
+    """The batches sliced in-process (no DataLoader to pin them) are page-locked on the
+    cuda path, so the non-blocking copy is asynchronous; a CPU run copies nothing."""
+    from cuda_standin import fake_pinning
+
+    from ddptrain.context import DistributedContext
+    from ddptrain.data import ArrayDataset, TrainBatches, make_val_loader
+
+    config = TrainingConfig(batch_size=8, output_dir="unused")
+    ctx = DistributedContext(0, 0, 1, torch.device(device, 0) if device == "cuda" else
+                             torch.device("cpu"))
+    data = ArrayDataset(torch.randn(40, 3), torch.arange(40) % 2)
+    with fake_pinning() as pinned:
+        batches = TrainBatches(data, config, ctx)
+        train = [t for b, _, _ in batches.epoch(1, 0) for t in _tensors(b)]
+        val = [t for b in make_val_loader(data, config, ctx) for t in _tensors(b)]
+        # A DataLoader (not sliced in-process) pins in its own thread: asked to on cuda.
+        loader = TrainBatches(Rows(), config, ctx)
+    assert len(train) == 10 and len(val) == 10
+    on_gpu = device == "cuda"
+    assert all((t.data_ptr() in pinned) == on_gpu for t in train + val)
+    assert len(pinned) == (20 if on_gpu else 0)
+    assert loader.loader is not None and loader.loader.pin_memory == on_gpu
+
+
+# ---------------------------------------------------------------------- NCCL failures
+WATCHDOG = (
+    "[PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught collective operation timeout: "
+    "WorkNCCL(SeqNum=42, OpType=ALLREDUCE, NumelIn=9, NumelOut=9, Timeout(ms)=600000) ran "
+    "for 600018 milliseconds before timing out."
+)
+ABORTED = (
+    "[../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:2010] NCCL communicator was "
+    "aborted on rank 1."
+)
+TIMED_OUT = "[Rank 1] ProcessGroupNCCL's watchdog: work ALLREDUCE timed out after 600000ms"
+
+
+@pytest.mark.parametrize(("kind", "text"), [
+    ("DistBackendError", WATCHDOG), ("RuntimeError", WATCHDOG), ("RuntimeError", ABORTED),
+    ("DistBackendError", TIMED_OUT), ("RuntimeError", TIMED_OUT),
+])
+def test_a_failed_nccl_collective_ends_with_exit_3_and_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    npz400: Path, kind: str, text: str,
+) -> None:
+    """Raised where the loop's collective is (the metric all-reduce), through the trainer,
+    the teardown and the command line, as a watchdog's abort surfaces in the main thread."""
+    import torch.distributed as dist
+
+    import ddptrain.train.trainer as loop
+    from ddptrain.cli import main
+    from ddptrain.errors import EXIT_PEER_LOST
+
+    error = getattr(dist, kind) if kind != "RuntimeError" else RuntimeError
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise error(text + "\nException raised from watchdogHandler at ...\nframe #0: ...")
+
+    monkeypatch.setattr(loop, "reduce_snapshots", fails)
+    exit_file = tmp_path / "exit"
+    monkeypatch.setenv("DDPTRAIN_EXIT_FILE", str(exit_file))
+    rc = main(["train", "--dataset", str(npz400), "--model", "mlp", "--epochs", "1",
+               "--log_interval", "2", "--no-tensorboard", "--output_dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == EXIT_PEER_LOST and exit_file.read_text() == f"{EXIT_PEER_LOST}\n"
+    assert len(err) == 1 and err[0].startswith(
+        "ddptrain: error: lost contact with the other ranks ("
+    ), err
+    assert ".cpp:" not in err[0] and "frame #0" not in err[0]
+
+
+def test_an_error_of_this_process_is_no_lost_peer() -> None:
+    from ddptrain.cli import _lost_peer
+
+    assert not _lost_peer(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not _lost_peer(ValueError(WATCHDOG))  # not raised by a collective
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    (None, "2"), ("1", "2"), ("0", "0"), ("2", "2"), ("3", "3"),
+])
+def test_nccl_aborts_a_hung_collective_instead_of_killing_the_process(
+    monkeypatch: pytest.MonkeyPatch, before: str | None, after: str
+) -> None:
+    """torchrun sets 1 (tear down: the watchdog kills the process); ddptrain asks for 2
+    (abort the communicators, raise in the main thread), before the group starts."""
+    import torch.distributed as dist
+
+    from ddptrain.launch.cluster import ClusterEnv
+    from ddptrain.launch.process_group import ASYNC_ERROR_HANDLING, setup_distributed
+
+    seen: dict[str, str | None] = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: seen.update(
+        value=os.environ.get(ASYNC_ERROR_HANDLING)))
+    monkeypatch.delenv("NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    if before is None:
+        monkeypatch.delenv(ASYNC_ERROR_HANDLING, raising=False)
+    else:
+        monkeypatch.setenv(ASYNC_ERROR_HANDLING, before)
+    cluster = ClusterEnv(0, 0, 2, "torchrun", "127.0.0.1", 29999)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    config = TrainingConfig(output_dir="unused")
+    setup_distributed(config, cluster, torch.device("cpu"), "nccl")
+    assert seen["value"] == after
+    monkeypatch.delenv(ASYNC_ERROR_HANDLING, raising=False)
+    setup_distributed(config, cluster, torch.device("cpu"), "gloo")
+    assert seen["value"] is None  # gloo has no watchdog to set
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
