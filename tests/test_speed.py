@@ -4,6 +4,7 @@ trains like eager without recompiling per step, `--channels_last` runs."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,9 @@ def test_dry_run_prints_the_seeds_arithmetic_and_trains_nothing(tmp_path: Path) 
     assert "455 samples; per epoch 448 trained, 7 dropped (--drop_last" in out
     assert "28 batches per rank, 56 in all, 28 optimizer steps" in out
     assert "8 per rank x 1 accumulation step(s) x 2 rank(s) = 16 samples" in out
+    # CPU: the host's memory, shared by the 2 ranks on it
+    assert re.search(r"largest model   per device of [\d.]+ GiB: ddp ~[\d.]+[MB] params, "
+                     r"zero ~[\d.]+[MB], fsdp ~[\d.]+[MB] \(SGD with momentum, fp32", out), out
     assert out.count("# resolved config") == 1  # rank 0 only
     assert not (tmp_path / "run").exists()
 

@@ -8,7 +8,9 @@
 Run the script as it is for one process, or under `torchrun --nproc_per_node=N` for N
 ranks: `fit` reads the launcher's environment, starts and tears down the process group,
 and returns the summary (the same global figures on every rank). `model` is an
-`nn.Module` or a factory `fn(config, **facts)`; `datasets` a `(train, val)` pair, one
+`nn.Module` or a factory `fn(config, **facts)` (under fsdp a factory's model is built on
+the meta device and sharded before any rank allocates it; an instance is sharded as it
+is); `datasets` a `(train, val)` pair, one
 dataset to split by `val_fraction`, or a factory; `task` a `Task` or a built-in name;
 `hooks` observe the run (`ddptrain.Hook`). Left out, each comes from the config, as on
 the command line.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -118,7 +121,7 @@ def resolve_run(config: TrainingConfig, datasets: Any = None, task: Any = None) 
     device = resolve_device(config, cluster.local_rank)
     backend = resolve_backend(config, device) if cluster.world_size > 1 else None
     precision = resolve_precision(config, device)
-    strategy = resolve_strategy(config, cluster.world_size, device)
+    strategy = resolve_strategy(config, cluster.world_size, device, cluster.local_world_size)
     if config.tracker == "mlflow":
         from ddptrain.observe.trackers import require_mlflow
 
@@ -268,16 +271,19 @@ def _refuse_another_model(run: Resolved, model: Any, path: Path, payload: dict[s
 
 def _print_dry_run(run: Resolved, model: Any) -> None:
     """The plan and the resolved config, from the same builders a real run uses."""
+    import torch
     import yaml
 
     from ddptrain.models import create_model
     from ddptrain.train import format_plan, head_size, make_plan
 
     config, data, task = run.config, run.data, run.task
-    if model is None:
-        model = create_model(config, data, head_size(task, data.facts), run.device)
-    elif not _is_module(model):
-        model = _call_model_factory(model, config, data, task)
+    if not _is_module(model):  # counted on the meta device: a model of any size
+        with torch.device("meta"):
+            model = (
+                create_model(config, data, head_size(task, data.facts), torch.device("meta"))
+                if model is None else _call_model_factory(model, config, data, task)
+            )
     plan = make_plan(
         config, data, run.cluster.world_size, str(run.device), run.backend or "none",
         run.precision.describe(), task.name, sum(p.numel() for p in model.parameters()),
@@ -305,7 +311,8 @@ def _fit(run: Resolved, ctx: Any, model: Any, hooks: Sequence[Any]) -> dict[str,
     from ddptrain.train import Trainer
 
     if model is not None and not _is_module(model):
-        model = _call_model_factory(model, run.config, run.data, run.task)
+        # Called by the trainer, seeded, where the strategy builds (fsdp: on meta first)
+        model = functools.partial(_call_model_factory, model, run.config, run.data, run.task)
     trainer = Trainer(
         run.config, ctx, run.data, module=model, task=run.task, hooks=hooks,
         precision=run.precision, strategy=run.strategy,

@@ -41,6 +41,7 @@ class ClusterEnv:
     master_addr: str | None = None  # where rank 0's store listens (None: world size 1)
     master_port: int | None = None
     nodes: tuple[str, ...] = ()  # Slurm: the step's hosts, as far as they are known
+    local_world_size: int = 1  # ranks on this host (they share its memory)
 
     def export_rendezvous(self, environ: MutableMapping[str, str] | None = None) -> None:
         """Set MASTER_ADDR / MASTER_PORT for env:// when this launcher did not (srun)."""
@@ -106,8 +107,11 @@ def _from_torchrun(env: Mapping[str, str]) -> ClusterEnv:
                     "which sets it, or export MASTER_ADDR and MASTER_PORT"
                 )
     port = _int_env(env, "MASTER_PORT", "give a TCP port number") if world_size > 1 else None
+    # torchrun says how many ranks share this host; set by hand, assume all of them
+    local = _int_env(env, "LOCAL_WORLD_SIZE", fix) if "LOCAL_WORLD_SIZE" in env else world_size
     return ClusterEnv(
-        rank, local_rank, world_size, "torchrun", env.get("MASTER_ADDR"), port
+        rank, local_rank, world_size, "torchrun", env.get("MASTER_ADDR"), port,
+        local_world_size=max(1, local),
     )
 
 
@@ -150,7 +154,13 @@ def _from_slurm(env: Mapping[str, str]) -> ClusterEnv:
         # Every task computes the same port from the job id, with no communication.
         job = _int_env(env, "SLURM_JOB_ID", fix)
         port = _PORT_BASE + job % _PORT_SPAN
-    return ClusterEnv(rank, local_rank, world_size, "slurm", master_addr, port, nodes)
+    # "2(x3),1": tasks per node, the first count is as close as a host's share gets
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    local = re.match(r"\d+", per_node)
+    return ClusterEnv(
+        rank, local_rank, world_size, "slurm", master_addr, port, nodes,
+        local_world_size=max(1, int(local.group())) if local else 1,
+    )
 
 
 def expand_nodelist(nodelist: str) -> tuple[str, ...]:

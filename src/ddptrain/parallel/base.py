@@ -1,9 +1,10 @@
 """How the model is spread over the ranks: one small interface, one class per way.
 
-The trainer never asks which strategy runs. It calls `setup_module` and
-`build_optimizer` once, wraps the micro-steps that must not reduce gradients in
-`no_backward_sync`, uses `clip_grad_norm` / `grads_finite` on the optimizer step, and
-moves state in and out through `full_state` / `sharded_state` / `load_state`.
+The trainer never asks which strategy runs. It hands `build_module` a way to build the
+model, calls `setup_module` and `build_optimizer` once (and `compile` under `--compile`),
+wraps the micro-steps that must not reduce gradients in `no_backward_sync`, uses
+`clip_grad_norm` / `grads_finite` on the optimizer step, and moves state in and out
+through `full_state` / `sharded_state` / `load_state`.
 
 | strategy | parameters | gradients | optimizer state | what |
 | --- | --- | --- | --- | --- |
@@ -23,6 +24,7 @@ size loads under another.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -46,6 +48,9 @@ OptimizerSpec = tuple[type[torch.optim.Optimizer], dict[str, Any]]
 # A context that does nothing, reusable: the step enters one or two per micro-batch.
 NO_CONTEXT = contextlib.nullcontext()
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Builds the model, seeded, with its tensors on the device it is given (the meta device
+# included): the same weights on every rank and every call.
+ModelBuilder = Callable[[torch.device], nn.Module]
 
 
 class Strategy:
@@ -65,9 +70,20 @@ class Strategy:
         self._one = torch.ones(1, device=ctx.device)
 
     # ------------------------------------------------------------------ setup
+    def build_module(self, build: ModelBuilder) -> nn.Module:
+        """The module this rank trains, before `setup_module`: whole, on this rank's
+        device (fsdp builds it on the meta device instead)."""
+        return build(self.ctx.device)
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         """The model the training step calls (a wrapper of `module`, or itself)."""
         return module
+
+    def compile(self, model: Any) -> Any:
+        """`--compile`: the model the training step calls, compiled. The wrapper is
+        compiled, so DDP's buckets still overlap with backward; the plain module
+        (checkpoints, evaluation) keeps its own parameter names."""
+        return torch.compile(model)
 
     def build_optimizer(self, module: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
         cls, kwargs = spec

@@ -15,10 +15,21 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
 )
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.base import FULL_STATE, NO_CONTEXT, State, Strategy, count_parameters
+from ddptrain.parallel.base import (
+    FULL_STATE,
+    NO_CONTEXT,
+    ModelBuilder,
+    State,
+    Strategy,
+    count_parameters,
+)
 
 log = logging.getLogger("ddptrain")
 
@@ -27,15 +38,53 @@ class FSDP(Strategy):
     """FSDP2: `fully_shard` on each block and on the root. Parameters, gradients and
     optimizer state are sharded; a block's parameters are all-gathered for its forward
     and backward and freed after (`--no-reshard_after_forward` keeps them from forward
-    to backward: ZeRO-2 memory, one all-gather fewer)."""
+    to backward: ZeRO-2 memory, one all-gather fewer).
+
+    Start-up, as torchtitan does it: every rank builds the model on the meta device (its
+    structure, no memory), shards it, then allocates only its own shards (`to_empty`).
+    Rank 0 alone builds the seeded model in host memory as the template, whose tensors
+    are then broadcast one at a time, each rank keeping its slice: the weights are those
+    the other strategies start from, and no rank's device ever holds the whole model. A
+    model handed over already built (`fit(model=instance)`) cannot be rebuilt on meta: it
+    is moved to the device whole and sharded there."""
 
     name = "fsdp"
     even_forwards = True  # every forward all-gathers: ranks must call it alike
     _full_load = StateDictOptions(full_state_dict=True)  # each rank keeps its shard of it
+    _from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+    def __init__(
+        self, ctx: DistributedContext, config: TrainingConfig,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(ctx, config, param_dtype)
+        self._on_meta = False  # was the module built on the meta device?
+        self._template: nn.Module | None = None  # rank 0's seeded copy, in host memory
+        self._blocks: list[nn.Module] = []
+
+    def build_module(self, build: ModelBuilder) -> nn.Module:
+        try:
+            with torch.device("meta"):  # tensors a model makes without naming a device
+                module = build(torch.device("meta"))
+        except Exception as exc:
+            # Construction that reads values (`.item()`, numpy) has none on meta; a real
+            # mistake (a bad --model) fails again in the build below, and is reported.
+            log.info("fsdp: the model cannot be built on the meta device (%s); built whole "
+                     "on each rank, then sharded", exc)
+            return build(self.ctx.device)
+        if not _all_meta(module):
+            # A model that keeps tensors outside its parameters and buffers, or puts
+            # them on a device of its own choosing: those could not be filled in later.
+            log.info("fsdp: the model keeps tensors outside its parameters and buffers; "
+                     "built whole on each rank, then sharded")
+            return build(self.ctx.device)
+        self._on_meta = True
+        if self.ctx.is_main:
+            with torch.random.fork_rng(devices=[]):  # every rank's generator stays alike
+                self._template = build(torch.device("cpu"))
+        return module
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
         kwargs: dict[str, Any] = {"reshard_after_forward": self.config.reshard_after_forward}
         if self.param_dtype is not None:
             # Compute in the low precision, reduce gradients and keep the master weights
@@ -49,9 +98,43 @@ class FSDP(Strategy):
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(module, **kwargs)
+        if self._on_meta:
+            self._materialise(module)
         log.debug("fsdp: %d blocks sharded, plus the root", len(blocks))
-        self._root = module
+        self._root, self._blocks = module, blocks
         return module
+
+    @torch.no_grad()
+    def _materialise(self, module: nn.Module) -> None:
+        """Allocate this rank's shards and the buffers, and fill them from rank 0's
+        template. Collective."""
+        device = self.ctx.device
+        # Under --fsdp_cpu_offload the shards live in host memory and FSDP moves each to
+        # the device for its compute; buffers are not FSDP's and stay on the device.
+        module.to_empty(device=torch.device("cpu") if self.config.fsdp_cpu_offload else device)
+        template, self._template = self._template, None
+        full = template.state_dict() if template is not None else {}
+        # One tensor at a time: rank 0 broadcasts it, each rank copies its slice.
+        set_model_state_dict(module, full, options=self._from_rank0)
+        del full
+        for mod in module.modules():
+            for key, buf in mod._buffers.items():
+                if buf is not None and buf.device != device:
+                    mod._buffers[key] = buf.to(device)
+        # Buffers outside the state dict (a causal mask, position ids) come from rank 0.
+        mine = dict(module.named_buffers())
+        for name in _non_persistent(module):
+            if template is not None:
+                mine[name].copy_(template.get_buffer(name))
+            dist.broadcast(mine[name], src=0)
+
+    def compile(self, model: Any) -> Any:
+        # Each block's forward is compiled in place, as torchtitan does: FSDP's gathers
+        # stay around the compiled code, the blocks (alike) share their compilations,
+        # and every parameter keeps its name.
+        for block in self._blocks or [self._root]:
+            block.forward = torch.compile(block.forward)
+        return model
 
     def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
         self._root.set_requires_gradient_sync(not skip)  # type: ignore[operator]
@@ -138,3 +221,23 @@ def fsdp_blocks(module: nn.Module, wrap: str | None) -> list[nn.Module]:
 
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _all_meta(module: nn.Module) -> bool:
+    """Whether every tensor of `module` is a meta parameter or buffer: nothing that a
+    state dict and `to_empty` would not reach."""
+    if any(not t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        return False
+    return not any(
+        isinstance(v, torch.Tensor) for m in module.modules() for v in vars(m).values()
+    )
+
+
+def _non_persistent(module: nn.Module) -> list[str]:
+    """Names of the buffers `state_dict` leaves out."""
+    return [
+        f"{prefix}.{name}" if prefix else name
+        for prefix, mod in module.named_modules()
+        for name in mod._non_persistent_buffers_set
+        if mod._buffers.get(name) is not None
+    ]

@@ -1,12 +1,18 @@
 """Bytes per rank a strategy implies for a model: parameters, gradients and optimizer state,
-before anything is built (the plan, `--dry_run`, `ddptrain doctor --parameters`).
+before anything is built (the plan, `--dry_run`, `ddptrain doctor --parameters`), and so
+the largest model each strategy fits on one device.
 """
 
 from __future__ import annotations
 
 import math
+import os
+
+import torch
 
 from ddptrain.config import TrainingConfig
+
+STRATEGY_NAMES = ("ddp", "zero", "fsdp")
 
 
 def optimizer_slots(config: TrainingConfig) -> int:
@@ -25,6 +31,37 @@ def implied_bytes(strategy: str, world_size: int, parameters: int, slots: int) -
     if strategy == "zero":
         return {"params": full, "grads": full, "optimizer": slots * shard}
     return {"params": full, "grads": full, "optimizer": slots * full}
+
+
+def device_memory(device: torch.device | str, local_ranks: int = 1) -> int | None:
+    """Bytes one rank's device has: a GPU's total memory; on CPU the host's memory shared
+    by the `local_ranks` ranks on it. None where it cannot be told."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return int(torch.cuda.get_device_properties(index).total_memory)
+    if device.type == "cpu":
+        try:
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # not a POSIX host
+            return None
+        return host // max(1, local_ranks)
+    return None
+
+
+def largest_models(device_bytes: int, world_size: int, slots: int) -> dict[str, int]:
+    """Parameters each strategy fits in `device_bytes` per rank: its fp32 parameters,
+    gradients and optimizer state (activations and workspace not counted)."""
+    probe = 10**9  # large enough that the rounding of a shard does not show
+    held = {n: sum(implied_bytes(n, world_size, probe, slots).values()) for n in STRATEGY_NAMES}
+    return {name: device_bytes * probe // b for name, b in held.items()}
+
+
+def human_count(n: float) -> str:
+    """125M, 1.3B: a parameter count as people say it."""
+    if n >= 10**9:
+        return f"{n / 10**9:.1f}B"
+    return f"{n / 10**6:.0f}M" if n >= 10**7 else f"{n / 10**6:.1f}M"
 
 
 def human_bytes(n: float) -> str:

@@ -18,7 +18,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.parallel.base import Strategy
 from ddptrain.parallel.ddp import DDP
 from ddptrain.parallel.fsdp import FSDP
-from ddptrain.parallel.memory import implied_bytes
+from ddptrain.parallel.memory import device_memory, implied_bytes, largest_models
 from ddptrain.parallel.zero import Zero
 
 STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "zero": Zero, "fsdp": FSDP}
@@ -37,6 +37,7 @@ class StrategyChoice:
     world_size: int
     checkpoint_kind: str
     cls: type[Strategy]
+    device_bytes: int | None = None  # the memory of one rank's device (None: unknown)
     auto_format: bool = False  # --checkpoint_format auto: the kind may follow the size
 
     def rank_bytes(self, parameters: int, slots: int) -> dict[str, int]:
@@ -52,6 +53,12 @@ class StrategyChoice:
             return "dcp"
         return self.checkpoint_kind
 
+    def largest_models(self, slots: int) -> dict[str, int] | None:
+        """The most parameters ddp, zero and fsdp each fit on one device of this run."""
+        if self.device_bytes is None:
+            return None
+        return largest_models(self.device_bytes, self.world_size, slots)
+
     def build(
         self, ctx: DistributedContext, config: TrainingConfig, param_dtype: torch.dtype | None
     ) -> Strategy:
@@ -59,10 +66,12 @@ class StrategyChoice:
 
 
 def resolve_strategy(
-    config: TrainingConfig, world_size: int, device: torch.device | str
+    config: TrainingConfig, world_size: int, device: torch.device | str,
+    local_ranks: int | None = None,
 ) -> StrategyChoice:
-    """The strategy of a run of `world_size` ranks on `device`, or a ConfigError naming a
-    flag that would be silently ignored."""
+    """The strategy of a run of `world_size` ranks on `device` (`local_ranks` of them on
+    this host: all unless told), or a ConfigError naming a flag that would be silently
+    ignored."""
     device_type = torch.device(device).type
     if config.strategy != "fsdp":
         if config.fsdp_wrap:
@@ -77,11 +86,13 @@ def resolve_strategy(
             f"--fsdp_cpu_offload is invalid on {where}: it moves GPU shards of 2+ ranks "
             "into CPU memory, and here the parameters already live there; drop the flag"
         )
+    memory = device_memory(device, world_size if local_ranks is None else local_ranks)
     auto = config.checkpoint_format == "auto"
     if world_size == 1:
-        return StrategyChoice(SINGLE, 1, config.checkpoint_kind, Strategy, auto)
+        return StrategyChoice(SINGLE, 1, config.checkpoint_kind, Strategy, memory, auto)
     return StrategyChoice(
-        config.strategy, world_size, config.checkpoint_kind, STRATEGIES[config.strategy], auto
+        config.strategy, world_size, config.checkpoint_kind, STRATEGIES[config.strategy],
+        memory, auto,
     )
 
 

@@ -5,7 +5,8 @@
 
 World size, strategy, device, precision; per-rank and global batch; how an epoch's samples
 fall on ranks and batches and how many are dropped (and why); optimizer steps per epoch
-and in total; peak and effective learning rate; warm-up; checkpoint cadence.
+and in total; peak and effective learning rate; warm-up; checkpoint cadence; the bytes
+per rank and the largest model each strategy fits on one device.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from ddptrain.config import TrainingConfig
 from ddptrain.data import DataBundle, samples_dropped, steps_per_epoch
 from ddptrain.parallel import StrategyChoice
-from ddptrain.parallel.memory import format_bytes, optimizer_slots
+from ddptrain.parallel.memory import format_bytes, human_bytes, human_count, optimizer_slots
 from ddptrain.train.optim import peak_lr
 
 
@@ -42,6 +43,8 @@ class RunPlan:
     warmup_steps: float | None
     checkpoints: str
     rank_bytes: dict[str, int] | None = None  # implied by the strategy (fp32 master state)
+    device_bytes: int | None = None  # one rank's device memory (CPU: the host's share)
+    largest: dict[str, int] | None = None  # parameters ddp, zero and fsdp fit in it
 
     @property
     def samples_per_epoch(self) -> int | None:
@@ -79,6 +82,7 @@ def make_plan(
         rank_bytes=None if parameters is None else strategy.rank_bytes(
             parameters, optimizer_slots(cfg)
         ),
+        device_bytes=strategy.device_bytes, largest=strategy.largest_models(optimizer_slots(cfg)),
     )
 
 
@@ -124,4 +128,17 @@ def format_plan(plan: RunPlan, config: TrainingConfig) -> str:
     ]
     if plan.rank_bytes is not None:
         lines.insert(2, f"memory          {format_bytes(plan.rank_bytes)} ({plan.strategy})")
+    if plan.largest is not None and plan.device_bytes is not None:
+        fits = ", ".join(
+            f"{name} ~{human_count(n)}" + (" params" if i == 0 else "")
+            for i, (name, n) in enumerate(plan.largest.items())
+        )
+        lines.insert(3, f"largest model   per device of {human_bytes(plan.device_bytes)}: {fits} "
+                        f"({_optimizer_name(config)}, fp32; activations not counted)")
     return "\n".join(lines)
+
+
+def _optimizer_name(config: TrainingConfig) -> str:
+    if config.optimizer == "adamw":
+        return "AdamW"
+    return "SGD with momentum" if config.momentum else "SGD"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,7 +79,7 @@ class Trainer:
 
     def __init__(
         self, config: TrainingConfig, ctx: DistributedContext, data: DataBundle,
-        module: nn.Module | None = None, task: Task | None = None,
+        module: nn.Module | Callable[[], nn.Module] | None = None, task: Task | None = None,
         hooks: Sequence[Hook] = (), precision: Precision | None = None,
         strategy: StrategyChoice | None = None,
     ) -> None:
@@ -137,23 +137,33 @@ class Trainer:
         self.resumed_from = restore(self)
         self.last_inputs: Any = None  # model inputs of the newest micro-batch (FLOPs, fsdp eval)
         if config.compile:
-            # The wrapper is compiled, so DDP's buckets still overlap with backward; the
-            # plain module (checkpoints, evaluation) keeps its own parameter names.
-            self.model = torch.compile(self.model)
+            # ddp, zero: the wrapper; fsdp: each block (see `Strategy.compile`)
+            self.model = self.strategy.compile(self.model)
         self.first_step_s: float | None = None
         self._t_fit = time.perf_counter()
 
-    def _build_module(self, module: nn.Module | None) -> nn.Module:
-        """The user's module, or the built-in one for the task's head, with identical
-        initial weights on every rank, on this rank's device."""
-        cfg, device = self.config, self.ctx.device
-        torch.manual_seed(cfg.seed)
-        if module is None:
-            module = create_model(cfg, self.data, head_size(self.task, self.data.facts), device)
-        module = module.to(device)
-        if cfg.channels_last:
-            module = module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        return module
+    def _build_module(self, module: nn.Module | Callable[[], nn.Module] | None) -> nn.Module:
+        """The user's module (an instance, or a factory of one), or the built-in one for
+        the task's head, with identical initial weights on every rank. The strategy
+        decides where it is built (fsdp: on the meta device); an instance is only moved."""
+        cfg = self.config
+
+        def build(device: torch.device) -> nn.Module:
+            torch.manual_seed(cfg.seed)
+            if isinstance(module, nn.Module):
+                built = module
+            elif module is not None:
+                built = module()
+            else:
+                built = create_model(cfg, self.data, head_size(self.task, self.data.facts), device)
+            built = built.to(device)
+            if cfg.channels_last:
+                built = built.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+            return built
+
+        if isinstance(module, nn.Module):
+            return build(self.ctx.device)
+        return self.strategy.build_module(build)
 
     @property
     def memory_format(self) -> torch.memory_format | None:
