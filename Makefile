@@ -78,3 +78,4 @@ $(BENCH_STAMP): pyproject.toml
 bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/run.py --repeats 3
 	$(BENCH_VENV)/bin/python bench/sharding.py
+	$(BENCH_VENV)/bin/python bench/checkpoints.py

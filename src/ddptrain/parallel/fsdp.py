@@ -150,9 +150,11 @@ class FSDP(Strategy):
         return norm
 
     def grads_finite(self, params: list[nn.Parameter]) -> bool:
-        finite = torch.tensor([float(super().grads_finite(params))], device=self.ctx.device)
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # one rank's inf is everyone's
-        return bool(finite.item())
+        """Each rank checks its shards; the flags are all-reduced on the device and read
+        once (one rank's inf is everyone's)."""
+        flag = self.nonfinite_flag(params).clone()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return not flag.item()
 
     def full_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer

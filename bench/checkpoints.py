@@ -1,0 +1,243 @@
+"""Checkpoints of a large state: what a save and a resume cost each rank, per strategy.
+
+A 20-layer MLP of 4096 x 4096 linear layers (336M parameters) trained one AdamW step holds
+1.0B floats of state (parameters and two moments: 4.0 GB). On 2 CPU ranks (torchrun,
+gloo, `OMP_NUM_THREADS=1`) every strategy and checkpoint kind saves it once through
+`ddptrain.checkpoint.Checkpointer` (what the trainer calls), then resumes it:
+
+    .venv/bin/python bench/checkpoints.py [--layers 20] [--tree DIR --label before]
+
+Per rank it records the save's wall time (for `--async_checkpoint` also the time it held
+training up), the bytes the process wrote (`wchar`), and for the resume (page cache
+dropped first, so the reads are real) the wall time to locate, check and load the
+checkpoint, the bytes it read from storage (`read_bytes`, which counts memory-mapped
+reads) and its peak RSS growth. `--tree DIR` runs another checkout's `src` (e.g. the
+code before a change) under the same harness and files its rows under `--label`.
+
+The report goes into docs/BENCHMARKS.md between `<!-- checkpoints:start -->` and
+`<!-- checkpoints:end -->`; raw figures in runs/bench/checkpoints.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+START_MARK, END_MARK = "<!-- checkpoints:start -->", "<!-- checkpoints:end -->"
+# strategy, --checkpoint_format, async
+CASES = [
+    ("ddp", "file", False), ("ddp", "dcp", False), ("ddp", "dcp", True),
+    ("zero", "dcp", False), ("zero", "dcp", True), ("fsdp", "dcp", False), ("fsdp", "dcp", True),
+]
+
+
+def _io() -> dict[str, int]:
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return {k: int(v) for k, v in fields.items()}
+
+
+def _rss_peak_kb() -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines()
+                if x.startswith("VmHWM"))
+    return int(line.split()[1])
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ddptrain.checkpoint import Checkpointer
+    from ddptrain.config import TrainingConfig
+    from ddptrain.context import DistributedContext
+    from ddptrain.parallel import resolve_strategy
+    from ddptrain.train.optim import optimizer_spec
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ctx = DistributedContext(rank, rank, world, torch.device("cpu"), "gloo")
+    config = TrainingConfig(
+        strategy=args.strategy, optimizer="adamw", checkpoint_format=args.format,
+        async_checkpoint=args.use_async, output_dir=str(args.dir),
+        checkpoint_dir=str(args.dir / "checkpoints"),
+    )
+    torch.manual_seed(0)
+
+    def build(device: Any = None) -> nn.Module:
+        with torch.device(device or "cpu"):
+            return nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
+
+    choice = resolve_strategy(config, world, ctx.device)
+    strategy = choice.build(ctx, config, None)
+    building = getattr(strategy, "build_module", None)
+    module = building(build) if building else build()
+    strategy.setup_module(module)
+    optimizer = strategy.build_optimizer(module, optimizer_spec(config, 1e-4))
+    module(torch.randn(8, args.width)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    checkpoints = Checkpointer(config, ctx, strategy, args.format)
+    meta = {"epoch": 0, "step": 1, "samples_in_epoch": 0, "bad_steps": 0, "bad_streak": 0}
+
+    dist.barrier()
+    io0, t0 = _io(), time.perf_counter()
+    checkpoints.save(1, meta, module, optimizer, best=True)  # an epoch end that is the best
+    blocking = time.perf_counter() - t0
+    checkpoints.wait()
+    save_s = time.perf_counter() - t0
+    written = _io()["wchar"] - io0["wchar"]
+    dist.barrier()
+
+    if rank == 0:  # the resume reads from storage, not from the page cache the save filled
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5\n")  # VmHWM starts over
+    rss0 = _rss_peak_kb()
+    io0, t0 = _io(), time.perf_counter()
+    found = checkpoints.locate("auto")
+    assert found is not None
+    checkpoints.load(found[0], found[1], module, optimizer)
+    del found
+    resume_s = time.perf_counter() - t0
+    io1 = _io()
+    row = {
+        "rank": rank, "save_s": save_s, "blocking_s": blocking, "written": written,
+        "resume_s": resume_s, "read": io1["read_bytes"] - io0["read_bytes"],
+        "rss_growth": (_rss_peak_kb() - rss0) * 1024,
+    }
+    rows: list[Any] = [None] * world
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        args.out.write_text(json.dumps(rows))
+    del checkpoints, optimizer, module
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_case(
+    strategy: str, fmt: str, use_async: bool, args: argparse.Namespace, work: Path
+) -> list[dict[str, Any]]:
+    run_dir = work / f"{strategy}-{fmt}-{'async' if use_async else 'sync'}"
+    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    run_dir.mkdir(parents=True)
+    out = run_dir / "rows.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{args.tree / 'src'}{os.pathsep}{ROOT}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(Path(__file__).resolve()), "--worker", "--strategy", strategy,
+           "--format", fmt, "--dir", str(run_dir), "--out", str(out),
+           "--layers", str(args.layers), "--width", str(args.width)]
+    if use_async:
+        cmd.append("--use_async")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{strategy} {fmt} failed")
+    rows: list[dict[str, Any]] = json.loads(out.read_text())
+    subprocess.run(["rm", "-rf", str(run_dir / "checkpoints")], check=True)
+    return rows
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = [
+        "## Checkpoints of a 4 GB state (1.0B floats: 336M parameters + AdamW)", "",
+        f"`bench/checkpoints.py`, {results['date']}: a {results['layers']}-layer MLP of "
+        f"{results['width']} x {results['width']} linear layers, one AdamW step, on 2 CPU "
+        "ranks (gloo, one thread each); one save and one resume per row, through "
+        "`Checkpointer` as the trainer calls it. Per rank: the save's wall time (async: "
+        "the time it held training up, then the whole save), the bytes the process wrote, "
+        "and after the page cache is dropped the resume's wall time (locate, checksums, "
+        "load), the bytes it read from storage and its peak RSS growth. *before* is the "
+        "code before checksums, links and the save group; *after* is this tree.", "",
+        "| code | strategy | format | save s (rank 0 / 1) | held training s | GB written "
+        "(rank 0 / 1) | resume s | GB read (rank 0 / 1) | RSS growth GB (rank 0 / 1) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, cases in results["runs"].items():
+        for key, rows in cases.items():
+            strategy, fmt, mode = key.split("-")
+            r0, r1 = rows
+            held = f"{r0['blocking_s']:.1f}" if mode == "async" else "="
+            lines.append(
+                f"| {label} | {strategy} | {fmt}{' async' if mode == 'async' else ''} | "
+                f"{r0['save_s']:.1f} / {r1['save_s']:.1f} | {held} | "
+                f"{_gb(r0['written'])} / {_gb(r1['written'])} | "
+                f"{max(r0['resume_s'], r1['resume_s']):.1f} | "
+                f"{_gb(r0['read'])} / {_gb(r1['read'])} | "
+                f"{_gb(r0['rss_growth'])} / {_gb(r1['rss_growth'])} |"
+            )
+    lines += ["", "Reading the table: a ddp `.pt` is written by rank 0 alone and read whole "
+              "by every rank (each rank needs the whole state); a DCP directory is written "
+              "in parts by every rank (replicated tensors once, spread over the ranks) and "
+              "each rank reads what it holds. The save is an epoch end that is the best so far: "
+              "*before*, ddp's `.pt` wrote the state three times (the step file and the "
+              "copies `latest.pt`, `best.pt`); *after* once (hard links). "
+              "The checksums cost a read of each file by the rank that checks it: at save, "
+              "from the page cache the write just filled; at resume, the first read of the "
+              "bytes the load then takes from the page cache.", ""]
+    return "\n".join(lines)
+
+
+def write_section(md: Path, text: str) -> None:
+    block = f"{START_MARK}\n{text}{END_MARK}\n"
+    current = md.read_text() if md.exists() else ""
+    if START_MARK in current and END_MARK in current:
+        head, rest = current.split(START_MARK, 1)
+        md.write_text(head + block + rest.split(END_MARK, 1)[1].lstrip("\n"))
+    else:
+        md.write_text(current.rstrip("\n") + "\n\n" + block)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
+    parser.add_argument("--format", default="file", help=argparse.SUPPRESS)
+    parser.add_argument("--use_async", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--tree", type=Path, default=ROOT,
+                        help="the checkout whose src/ is measured (default: this one)")
+    parser.add_argument("--label", default="after")
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-checkpoints")
+    parser.add_argument("--results", type=Path,
+                        default=ROOT / "runs" / "bench" / "checkpoints.json")
+    parser.add_argument("--report_only", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    results: dict[str, Any] = (
+        json.loads(args.results.read_text()) if args.results.exists() else {"runs": {}}
+    )
+    if not args.report_only:
+        runs: dict[str, Any] = {}
+        for strategy, fmt, use_async in CASES:
+            key = f"{strategy}-{fmt}-{'async' if use_async else 'sync'}"
+            print(f"{args.label}: {key}", flush=True)
+            runs[key] = run_case(strategy, fmt, use_async, args, args.work)
+        results["runs"][args.label] = runs
+        results.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       layers=args.layers, width=args.width)
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps(results, indent=1))
+    write_section(ROOT / "docs" / "BENCHMARKS.md", report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
