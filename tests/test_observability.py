@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,9 @@ def test_tensorboard_resume_hides_events_after_the_checkpoint(tmp_path: Path) ->
     for step in (1, 2, 3, 4):
         writer.write({"split": "train", "epoch": 1, "step": step, "loss": float(step)})
     writer.close()
+    # Event files sort by name, whose first field is the second they were opened in (then
+    # a per-process counter, compared as text: 9 > 10); a resume is a later second.
+    time.sleep(1.05)
     writer.start(keep_step=2, keep_epoch=0)  # resumed from a checkpoint at step 2
     writer.write({"split": "train", "epoch": 1, "step": 3, "loss": 30.0})
     writer.close()
