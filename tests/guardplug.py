@@ -1,8 +1,9 @@
-"""User code for tests/test_guarantees.py, named as `--dataset guardplug:NAME` /
-`--model guardplug:NAME`: a model with dropout and a dataset with random augmentation
-(the RNG states a resume must restore), a stream that shuffles by its epoch, a model
-that records the samples it trains on, and a validation set that gets worse as training
-goes on (the best epoch is the first).
+"""User code for tests/test_guarantees.py and tests/test_exact_n.py, named as
+`--dataset guardplug:NAME` / `--model guardplug:NAME`: the built-in MLP with a kill
+switch, a model with dropout and a dataset with random augmentation (the RNG states a
+resume must restore), a stream that shuffles by its epoch, a model that records the
+samples it trains on, and a validation set that gets worse as training goes on (the best
+epoch is the first).
 
 Two environment variables steer the models without changing the run's config, so a
 killed run and its resume are the same run:
@@ -72,6 +73,16 @@ class DropoutNet(nn.Module):
 
 def dropout_net(config: Any, input_shape: tuple[int, ...], outputs: int) -> nn.Module:
     return DropoutNet(input_shape[0], outputs)
+
+
+def killable_mlp(config: Any, input_shape: tuple[int, ...], outputs: int) -> nn.Module:
+    """`--model mlp` itself (ddptrain's MLP at --width), with the kill switch."""
+    from ddptrain.models.nets import MLP
+
+    model = MLP(int(np.prod(input_shape)), outputs, config.width)
+    kill = _KillSwitch()
+    model.register_forward_pre_hook(lambda m, args: kill.tick() if m.training else None)
+    return model
 
 
 class Augmented(Dataset):

@@ -117,6 +117,16 @@ class Strategy:
         return self._found_inf
 
     # ------------------------------------------------------------------ state
+    def layout_state(self) -> State:
+        """What the strategy itself needs, beyond weights and optimizer state, to go on
+        bit for bit after a resume (kept in the checkpoint's meta); most need nothing."""
+        return {}
+
+    def resume_module(self, model: nn.Module, module: nn.Module, saved: State) -> nn.Module:
+        """Collective. Once a checkpoint is loaded: the model the step calls from now on,
+        given the `layout_state` saved with it (`model` itself unless it must change)."""
+        return model
+
     def full_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[State, State]:

@@ -1,16 +1,36 @@
 """`--strategy ddp`: DistributedDataParallel, a full replica per rank, gradients
 all-reduced in buckets during backward.
+
+The bucket layout, and why a resume keeps it. A freshly built DDP reduces its first
+backward in its first layout (every gradient in one bucket, in parameter order); after
+that backward it rebuilds its buckets in the order the gradients became ready (rank 0's
+order, on every rank) and keeps them. On 3 ranks or more gloo's ring all-reduce sums each
+element in an order set by its offset in the bucket, so the same gradients in another
+layout come out different in the last bit; on 2, a + b is the same either way. A resumed
+run would reduce its first step in the first layout where the uninterrupted run used the
+rebuilt one. So the order the gradients became ready in is recorded (once, in the first
+backward that reduces them) and saved with every checkpoint (`layout_state`), and a resume
+builds DDP again with the rebuilt layout from its very first step (`resume_module`); the
+rebuild after that step then makes the same layout again. Nothing of this runs per step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from ddptrain.parallel.base import NO_CONTEXT, Strategy
+from ddptrain.parallel.base import NO_CONTEXT, State, Strategy
+
+READY_ORDER = "grad_ready_order"  # the key in `layout_state`: parameter names
 
 
 class DDP(Strategy):
@@ -18,10 +38,117 @@ class DDP(Strategy):
 
     name = "ddp"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ready: ReadyOrder | None = None
+
     def setup_module(self, module: nn.Module) -> nn.Module:
+        model = self._wrap(module)
+        self._ready = ReadyOrder(model, module)
+        return model
+
+    def _wrap(
+        self, module: nn.Module, order: list[str] | None = None,
+        caps: tuple[int, int] | None = None,
+    ) -> DistributedDataParallel:
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        # Gradients written straight into the all-reduce buckets save a copy per step.
-        return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
+        with first_buckets(module, order, caps):
+            # Gradients written straight into the all-reduce buckets save a copy per step.
+            return DistributedDataParallel(
+                module, device_ids=device_ids, gradient_as_bucket_view=True
+            )
 
     def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
         return model.no_sync() if skip else NO_CONTEXT  # type: ignore[operator]
+
+    def layout_state(self) -> State:
+        names = self._ready.names if self._ready else []
+        return {READY_ORDER: list(names)} if names else {}
+
+    def resume_module(self, model: nn.Module, module: nn.Module, saved: State) -> nn.Module:
+        """DDP built again, its first layout the one the checkpointed run had rebuilt
+        (when the checkpoint knows it and the parameters are the same)."""
+        order = saved.get(READY_ORDER) or []
+        trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+        if not isinstance(model, DistributedDataParallel) or sorted(order) != sorted(trainable):
+            return model
+        config = getattr(model, "_bucket_config", None)
+        first = getattr(config, "first_bucket_bytes_cap", dist._DEFAULT_FIRST_BUCKET_BYTES)
+        caps = (int(first), int(model.bucket_bytes_cap))
+        if self._ready is not None:
+            self._ready.close()
+        self._ready = ReadyOrder.known(order)
+        # The replaced wrapper's reducer removes its hooks once the trainer lets go of it.
+        return self._wrap(module, order, caps)
+
+
+class ReadyOrder:
+    """The trainable parameters' names in the order their gradients become ready in the
+    first backward that reduces them (DDP's rebuild goes by rank 0's, and rank 0 writes
+    the checkpoint's meta); recorded by a hook on each parameter, all removed at the end
+    of that backward."""
+
+    def __init__(self, model: DistributedDataParallel, module: nn.Module) -> None:
+        self.names: list[str] = []
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._count, ddp = len(params), weakref.ref(model)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._hook(ddp, n)) for n, p in params
+        ]
+
+    @classmethod
+    def known(cls, names: list[str]) -> ReadyOrder:
+        ready = cls.__new__(cls)
+        ready.names, ready._count, ready._handles = list(names), len(names), []
+        return ready
+
+    def _hook(self, ddp: weakref.ref[DistributedDataParallel], name: str) -> Any:
+        def ready(_: torch.Tensor) -> None:
+            model = ddp()
+            # Backwards inside no_sync() reduce nothing; DDP records only the others.
+            if model is None or not model.require_backward_grad_sync:
+                return
+            if len(self.names) < self._count:
+                self.names.append(name)
+                if len(self.names) == self._count:
+                    # A hook may not remove itself while it runs: at the backward's end.
+                    Variable._execution_engine.queue_callback(self.close)
+
+        return ready
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+@contextlib.contextmanager
+def first_buckets(
+    module: nn.Module, order: list[str] | None, caps: tuple[int, int] | None
+) -> Iterator[None]:
+    """While DDP is built: its first bucket layout made as its rebuild makes it from
+    `order` (names, in the order the gradients became ready) with `caps` (the first
+    bucket's and the others' byte limits), instead of one bucket in parameter order."""
+    assign = getattr(dist, "_compute_bucket_assignment_by_size", None)
+    if not order or caps is None or assign is None:
+        yield
+        return
+    named = dict(module.named_parameters())
+    ready = [named[n] for n in order]
+
+    def layout(
+        params: list[torch.Tensor], limits: list[int], expect_sparse: list[bool] | None = None,
+        *rest: Any, **kwargs: Any,
+    ) -> tuple[list[list[int]], list[int]]:
+        index = {id(p): i for i, p in enumerate(params)}
+        indices = [index[id(p)] for p in ready]
+        sparse = [expect_sparse[i] for i in indices] if expect_sparse else []
+        buckets, per_bucket = assign([params[i] for i in indices], list(caps), sparse, indices)
+        # DDP reverses the list it is given (its own follows the parameter order).
+        return buckets[::-1], per_bucket[::-1]
+
+    dist._compute_bucket_assignment_by_size = layout  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dist._compute_bucket_assignment_by_size = assign

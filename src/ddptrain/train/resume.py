@@ -1,7 +1,8 @@
 """A resume: every part of a freshly built trainer put where the checkpoint left it.
 
 The weights and optimizer state load through the checkpoint's backend and the strategy
-(any strategy, any world size); then the progress, the scaler, the history and the hooks'
+(any strategy, any world size), and the strategy takes what it saved of its own layout
+(DDP's gradient bucket order); then the progress, the scaler, the history and the hooks'
 state; the per-rank RNG states and the data position where they still mean the same; and
 the schedule, placed by epochs and global samples done, so that on another layout it
 still ends at its planned end.
@@ -34,6 +35,9 @@ def restore(trainer: Trainer) -> str | None:
     current = cfg.to_dict()
     refuse_incompatible(payload, current, trainer.task.name, str(path))
     trainer.checkpoints.load(path, payload, trainer.module, trainer.optimizer)
+    trainer.model = trainer.strategy.resume_module(
+        trainer.model, trainer.module, payload.get("strategy_state") or {}
+    )
     trainer.scaler.load_state_dict(payload["scaler_state_dict"])
     trainer.progress = Progress.from_payload(payload)
     trainer.history.update(payload.get("history", {}))

@@ -198,6 +198,7 @@ class Trainer:
             "data_state": gather_to_main(self.train_batches.state_dict(), self.ctx),
             "hooks": self.hooks.state_dict(),
             "history": dict(self.history),
+            "strategy_state": self.strategy.layout_state(),
         }
 
     # ------------------------------------------------------------------ loop
