@@ -18,7 +18,8 @@ from ddptrain.data.batch import ModelCall, Output, mark_batch_dynamic, num_sampl
 from ddptrain.data.bundle import DataBundle, DataFacts
 from ddptrain.data.epoch import Micro, plan_epoch, samples_dropped, steps_per_epoch
 from ddptrain.data.iterable import IterableBatches
-from ddptrain.data.sources import bundle_datasets, load_data, split_indices
+from ddptrain.data.loader import stop_workers
+from ddptrain.data.sources import bundle_datasets, load_data, split_indices, with_collate
 from ddptrain.data.train_batches import Batches, TrainBatches, make_train_batches
 from ddptrain.data.validation import make_val_loader
 
@@ -45,5 +46,7 @@ __all__ = [
     "split",
     "split_indices",
     "steps_per_epoch",
+    "stop_workers",
     "to_device",
+    "with_collate",
 ]
