@@ -3,7 +3,8 @@
 | module | owns |
 | --- | --- |
 | `sources` | built-in sets, `.npz` / `.npy` files, user factories; the seeded train/val split |
-| `bundle` | `DataBundle` (train, val) and the `DataFacts` a task and a model read |
+| `bundle` | `DataBundle` (train, val, a collate) and the `DataFacts` a task and a model read |
+| `hf` | Hugging Face `datasets` (map-style and iterable) taken as they are |
 | `arrays`, `text` | in-memory and memory-mapped arrays sliced a batch at a time; the chars corpus |
 | `epoch` | the epoch plan: global micro-batches split evenly over ranks, positions |
 | `train_batches`, `iterable`, `validation` | this rank's batches: map-style, iterable, evaluation |

@@ -5,9 +5,11 @@ Built in (no download): `breast_cancer` (30 features, 2 classes, seed 004's clas
 `synthetic` (3x32x32 images for throughput work) and `chars` (a character-level corpus for
 `--model gpt`, see `ddptrain.data.text`). Users bring `path/to/data.npz` (arrays `x`, `y`),
 `path/to/x.npy` with `y.npy` beside it (memory-mapped, never loaded whole), or
-`package.module:fn` returning `(train, val)`, or one dataset that `--val_fraction` splits;
-a map-style `Dataset` or an `IterableDataset`. The train/val split is fixed by the seed
-alone; how an epoch's samples fall on ranks is `ddptrain.data.epoch`'s.
+`package.module:fn` returning `(train, val)`, `{'train': ..., 'val': ...}` (a Hugging Face
+`DatasetDict`), or one dataset that `--val_fraction` splits; a map-style `Dataset`, an
+`IterableDataset` or a Hugging Face `datasets` one (`ddptrain.data.hf`). The train/val
+split is fixed by the seed alone; how an epoch's samples fall on ranks is
+`ddptrain.data.epoch`'s.
 """
 
 from __future__ import annotations
