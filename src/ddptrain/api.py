@@ -87,10 +87,14 @@ def fit(
     datasets: Any = None,
     task: Any = None,
     hooks: Sequence[Any] = (),
+    collate: Any = None,
     **fields: Any,
 ) -> dict[str, Any]:
-    """Train on this rank and return the run's summary. `fields` override `config`."""
-    run = resolve_run(_resolve_config(config, fields), datasets, task)
+    """Train on this rank and return the run's summary. `fields` override `config`;
+    `collate` is a function of a list of samples (or a `module:fn` ref, as `--collate`)."""
+    if isinstance(collate, str):
+        fields, collate = {**fields, "collate": collate}, None
+    run = resolve_run(_resolve_config(config, fields), datasets, task, model, collate)
     config = run.config
     if config.dry_run:
         if run.cluster.rank == 0:
@@ -103,11 +107,14 @@ def fit(
         return _run_in_group(dataclasses.replace(run, config=config), model, hooks)
 
 
-def resolve_run(config: TrainingConfig, datasets: Any = None, task: Any = None) -> Resolved:
+def resolve_run(
+    config: TrainingConfig, datasets: Any = None, task: Any = None, model: Any = None,
+    collate: Any = None,
+) -> Resolved:
     """Everything a user can get wrong, checked before the process group starts, so a
     mistake ends the job at once instead of leaving peers waiting for a dead rank."""
     # Imported here so that `--help` and config errors answer without loading torch.
-    from ddptrain.data import bundle_datasets, load_data
+    from ddptrain.data import bundle_datasets, load_data, with_collate
     from ddptrain.launch.cluster import read_cluster_env
     from ddptrain.launch.process_group import resolve_backend, resolve_device
     from ddptrain.log import setup_logging
@@ -130,11 +137,13 @@ def resolve_run(config: TrainingConfig, datasets: Any = None, task: Any = None) 
         raise ConfigError(
             "--sync_bn is invalid on CPU: SyncBatchNorm needs CUDA devices; drop the flag"
         )
+    num_labels = _num_labels(model)
     if datasets is None:
-        data = load_data(config)
+        data = load_data(config, num_labels)
     else:
         made = datasets(config) if callable(datasets) else datasets
-        data = bundle_datasets(made, config)
+        data = bundle_datasets(made, config, num_labels)
+    data = with_collate(data, config, collate)
     if config.channels_last and not data.is_image:
         raise ConfigError(
             f"--channels_last needs image data (N, C, H, W), and --dataset {config.dataset!r} "
@@ -318,6 +327,14 @@ def _fit(run: Resolved, ctx: Any, model: Any, hooks: Sequence[Any]) -> dict[str,
         precision=run.precision, strategy=run.strategy,
     )
     return trainer.fit()
+
+
+def _num_labels(model: Any) -> int | None:
+    """The classes a given model says it has: a Hugging Face model's `config.num_labels`."""
+    if model is None or not _is_module(model):
+        return None
+    labels = getattr(getattr(model, "config", None), "num_labels", None)
+    return labels if isinstance(labels, int) and labels >= 2 else None
 
 
 def _is_module(obj: Any) -> bool:

@@ -47,6 +47,11 @@ class TrainingConfig:
     dataset_args: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "key=value arguments for a module:fn dataset"}
     )
+    collate: str | None = _f(
+        None,
+        "package.module:fn turning a list of samples into a batch (padding variable-length "
+        "samples); used by every DataLoader, training and evaluation",
+    )
     model: str = _f(
         "auto",
         "auto (gpt for token windows, miniresnet for images, else mlp) | mlp | miniresnet | "
@@ -230,6 +235,8 @@ class TrainingConfig:
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             _bad("max_grad_norm", self.max_grad_norm, "use a positive norm, or leave it unset")
         self._validate_dataset()
+        if self.collate is not None and not _is_import_ref(self.collate):
+            _bad("collate", self.collate, "give package.module:fn, a function of a list of samples")
         if not (self.model in BUILTIN_MODELS or _is_import_ref(self.model)):
             _bad("model", self.model, f"choose one of {', '.join(BUILTIN_MODELS)} or module:fn")
         if not (self.task in BUILTIN_TASKS or _is_import_ref(self.task)):

@@ -3,7 +3,8 @@
 | module | owns |
 | --- | --- |
 | `sources` | built-in sets, `.npz` / `.npy` files, user factories; the seeded train/val split |
-| `bundle` | `DataBundle` (train, val) and the `DataFacts` a task and a model read |
+| `bundle` | `DataBundle` (train, val, a collate) and the `DataFacts` a task and a model read |
+| `hf` | Hugging Face `datasets` (map-style and iterable) taken as they are |
 | `arrays`, `text` | in-memory and memory-mapped arrays sliced a batch at a time; the chars corpus |
 | `epoch` | the epoch plan: global micro-batches split evenly over ranks, positions |
 | `train_batches`, `iterable`, `validation` | this rank's batches: map-style, iterable, evaluation |
@@ -18,7 +19,8 @@ from ddptrain.data.batch import ModelCall, Output, mark_batch_dynamic, num_sampl
 from ddptrain.data.bundle import DataBundle, DataFacts
 from ddptrain.data.epoch import Micro, plan_epoch, samples_dropped, steps_per_epoch
 from ddptrain.data.iterable import IterableBatches
-from ddptrain.data.sources import bundle_datasets, load_data, split_indices
+from ddptrain.data.loader import stop_workers
+from ddptrain.data.sources import bundle_datasets, load_data, split_indices, with_collate
 from ddptrain.data.train_batches import Batches, TrainBatches, make_train_batches
 from ddptrain.data.validation import make_val_loader
 
@@ -45,5 +47,7 @@ __all__ = [
     "split",
     "split_indices",
     "steps_per_epoch",
+    "stop_workers",
     "to_device",
+    "with_collate",
 ]

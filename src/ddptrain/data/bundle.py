@@ -4,6 +4,7 @@ read from them (input shape, target shape and kind, classes, vocabulary).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ class DataBundle:
     train: Dataset
     val: Dataset
     facts: DataFacts
+    collate: Callable[[list[Any]], Any] | None = None  # the user's collate (--collate)
 
     @property
     def num_classes(self) -> int | None:
@@ -46,6 +48,7 @@ class DataFacts:
     num_classes: int | None = None  # classification: labels are 0..num_classes-1
     vocab_size: int | None = None  # token data: ids are 0..vocab_size-1
     dict_batches: bool = False  # samples are dicts (Hugging Face style)
+    classes_from: str | None = None  # where num_classes came from (the plan says it)
 
     def as_kwargs(self) -> dict[str, Any]:
         return {

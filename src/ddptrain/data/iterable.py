@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.data.batch import num_samples, split
 from ddptrain.data.epoch import Micro, steps_per_epoch
+from ddptrain.data.hf import is_hf_iterable
 from ddptrain.data.loader import make_loader
 from ddptrain.errors import ConfigError
 
@@ -47,8 +48,12 @@ class RankShard(IterableDataset):
         self.dataset, self.world_size, self.rank = dataset, world_size, rank
         self.consumed = 0  # items of the underlying stream read in this epoch
         self._start = 0  # where the next iteration starts (a resume)
+        self.epoch: int | None = None
 
     def __iter__(self) -> Iterator[Any]:
+        if is_hf_iterable(self.dataset):
+            yield from self._hf_split()
+            return
         info = get_worker_info()
         workers, wid = (info.num_workers, info.id) if info else (1, 0)
         stride = self.world_size * workers
@@ -59,7 +64,7 @@ class RankShard(IterableDataset):
             except (ValueError, IndexError):  # fewer source shards than readers: stride
                 source = None
             if source is not None:
-                yield from source
+                yield from self._at_epoch(source)
                 return
         start, self._start = self._start, 0
         self.consumed = start
@@ -67,6 +72,23 @@ class RankShard(IterableDataset):
             self.consumed = i + 1
             if i % stride == offset:
                 yield item
+
+    def _hf_split(self) -> Any:
+        """A `datasets.IterableDataset`, split as `split_dataset_by_node` splits it: by
+        its shards when they divide among the ranks, else every rank keeps every
+        world_size-th row; the dataset itself then splits a rank's part among DataLoader
+        workers (it does so whenever it runs in one)."""
+        from datasets.distributed import split_dataset_by_node
+
+        part = split_dataset_by_node(self.dataset, rank=self.rank, world_size=self.world_size)
+        return self._at_epoch(part)
+
+    def _at_epoch(self, source: Any) -> Any:
+        """A shard made from the stream starts at epoch 0 (Hugging Face's do): it is told
+        the stream's epoch, so a stream that shuffles by epoch keeps doing so."""
+        if self.epoch is not None and hasattr(source, "set_epoch"):
+            source.set_epoch(self.epoch)
+        return source
 
     def state_dict(self) -> dict[str, Any]:
         return {"consumed": self.consumed, "dataset": self.dataset.state_dict()}  # type: ignore[attr-defined]
@@ -76,6 +98,7 @@ class RankShard(IterableDataset):
         self._start = int(state["consumed"])
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
 
@@ -86,9 +109,10 @@ class IterableBatches:
     shortest shard decides, and what the others hold beyond it is counted as dropped."""
 
     def __init__(
-        self, dataset: IterableDataset, config: TrainingConfig, ctx: DistributedContext
+        self, dataset: IterableDataset, config: TrainingConfig, ctx: DistributedContext,
+        collate: Callable[[list[Any]], Any] | None = None,
     ) -> None:
-        self.loader = make_iterable_loader(dataset, config, ctx)
+        self.loader = make_iterable_loader(dataset, config, ctx, collate=collate)
         self.shard: RankShard = self.loader.dataset  # type: ignore[assignment]
         self.ctx, self.accum = ctx, config.grad_accum_steps
         self._flag = torch.zeros(1, device=ctx.device)
@@ -169,11 +193,12 @@ class IterableBatches:
 
 def make_iterable_loader(
     dataset: IterableDataset, config: TrainingConfig, ctx: DistributedContext,
-    batch_size: int | None = None,
+    batch_size: int | None = None, collate: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
     shard = RankShard(dataset, ctx.world_size, ctx.rank)
     # Workers that persisted across epochs would keep the copy of the stream they started
     # with, and never hear of `set_epoch`: an iterable's workers start anew each epoch.
     return make_loader(
-        shard, config, ctx, batch_size=batch_size or config.batch_size, persistent=False
+        shard, config, ctx, batch_size=batch_size or config.batch_size, persistent=False,
+        collate=collate,
     )

@@ -5,13 +5,17 @@ Built in (no download): `breast_cancer` (30 features, 2 classes, seed 004's clas
 `synthetic` (3x32x32 images for throughput work) and `chars` (a character-level corpus for
 `--model gpt`, see `ddptrain.data.text`). Users bring `path/to/data.npz` (arrays `x`, `y`),
 `path/to/x.npy` with `y.npy` beside it (memory-mapped, never loaded whole), or
-`package.module:fn` returning `(train, val)`, or one dataset that `--val_fraction` splits;
-a map-style `Dataset` or an `IterableDataset`. The train/val split is fixed by the seed
-alone; how an epoch's samples fall on ranks is `ddptrain.data.epoch`'s.
+`package.module:fn` returning `(train, val)`, `{'train': ..., 'val': ...}` (a Hugging Face
+`DatasetDict`), or one dataset that `--val_fraction` splits; a map-style `Dataset`, an
+`IterableDataset` or a Hugging Face `datasets` one (`ddptrain.data.hf`). The train/val
+split is fixed by the seed alone; how an epoch's samples fall on ranks is
+`ddptrain.data.epoch`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +28,12 @@ from torch.utils.data import (
 )
 
 from ddptrain.config import TrainingConfig, npy_targets
+from ddptrain.data import hf
 from ddptrain.data.arrays import ArrayDataset, MemmapDataset, as_targets
 from ddptrain.data.batch import first_tensor, split
 from ddptrain.data.bundle import DataBundle, DataFacts
 from ddptrain.errors import ConfigError
-from ddptrain.plugins import call_factory
+from ddptrain.plugins import call_factory, load_ref
 
 
 # ---------------------------------------------------------------------- built-in data
@@ -69,10 +74,12 @@ def _bundle(
 
 def _array_facts(input_shape: tuple[int, ...], y: np.ndarray, config: TrainingConfig) -> DataFacts:
     is_float = not np.issubdtype(y.dtype, np.integer)
-    num_classes = None
+    num_classes, source = None, None
     if not is_float and y.ndim == 1:
         num_classes = _num_classes(int(y.min()), int(y.max()), config)
-    return DataFacts(tuple(input_shape), tuple(y.shape[1:]), is_float, num_classes)
+        source = "--num_classes" if config.num_classes else "the labels seen"
+    return DataFacts(tuple(input_shape), tuple(y.shape[1:]), is_float, num_classes,
+                     classes_from=source)
 
 
 def _check_targets(y: np.ndarray, source: str) -> None:
@@ -212,13 +219,21 @@ def _npy(config: TrainingConfig) -> DataBundle:
     )
 
 
-def _user_datasets(config: TrainingConfig) -> DataBundle:
+def _user_datasets(config: TrainingConfig, num_labels: int | None = None) -> DataBundle:
     made = call_factory(config.dataset, "dataset", config, config.dataset_args, {})
-    return bundle_datasets(made, config)
+    return bundle_datasets(made, config, num_labels)
 
 
-def bundle_datasets(made: Any, config: TrainingConfig) -> DataBundle:
-    """A user's `(train, val)` pair, or one dataset that `--val_fraction` splits."""
+VAL_KEYS = ("val", "validation", "valid", "test")
+
+
+def bundle_datasets(made: Any, config: TrainingConfig, num_labels: int | None = None) -> DataBundle:
+    """A user's `(train, val)` pair, a dict with `train` and `val` (or `validation`,
+    `test`: a Hugging Face `DatasetDict` as it is), or one dataset that `--val_fraction`
+    splits. Hugging Face datasets are taken as they are (`ddptrain.data.hf`).
+    `num_labels`: the classes a given model says it has (a Hugging Face config's)."""
+    if isinstance(made, Mapping):
+        made = _pair_of(made, config)
     if isinstance(made, (tuple, list)) and len(made) == 2:
         if config.val_fraction is not None:
             raise ConfigError(
@@ -226,21 +241,33 @@ def bundle_datasets(made: Any, config: TrainingConfig) -> DataBundle:
                 f"{config.dataset!r} returns its own validation set; drop the flag, or "
                 "return one dataset for ddptrain to split"
             )
-        train, val = made
-    elif isinstance(made, Dataset):
-        if isinstance(made, IterableDataset):
+        train, val = (hf.adapt(d, config.dataset) for d in made)
+    elif isinstance(made, Dataset) or hf.is_hf(made):
+        if isinstance(made, IterableDataset) or hf.is_hf_iterable(made):
             raise ConfigError(
                 f"--dataset {config.dataset!r} returned one IterableDataset, which cannot be "
                 "split: return (train, val)"
             )
-        train_idx, val_idx = split_indices(len(made), val_fraction(config), config.seed)  # type: ignore[arg-type]
+        made = hf.adapt(made, config.dataset)
+        train_idx, val_idx = split_indices(len(made), val_fraction(config), config.seed)
         train, val = Subset(made, train_idx.tolist()), Subset(made, val_idx.tolist())
     else:
         raise ConfigError(
             f"--dataset {config.dataset!r} gave {type(made).__name__}: give "
-            "(train_dataset, val_dataset) or one map-style Dataset"
+            "(train_dataset, val_dataset), {'train': ..., 'val': ...} or one map-style "
+            "Dataset"
         )
-    return DataBundle(train, val, _probe(train, config))
+    return DataBundle(train, val, _probe(train, config, num_labels))
+
+
+def _pair_of(made: Mapping[str, Any], config: TrainingConfig) -> tuple[Any, Any]:
+    val_key = next((k for k in VAL_KEYS if k in made), None)
+    if "train" not in made or val_key is None:
+        raise ConfigError(
+            f"--dataset {config.dataset!r} gave a dict with keys {sorted(made)}: give "
+            f"'train' and one of {', '.join(repr(k) for k in VAL_KEYS)}"
+        )
+    return made["train"], made[val_key]
 
 
 def _attr(dataset: Any, name: str) -> Any:
@@ -262,7 +289,7 @@ def _first_of_stream(stream: IterableDataset) -> Any:
             stream.load_state_dict(saved)  # type: ignore[attr-defined]
 
 
-def _probe(train: Dataset, config: TrainingConfig) -> DataFacts:
+def _probe(train: Dataset, config: TrainingConfig, num_labels: int | None = None) -> DataFacts:
     """Read the facts a task and a model need from the first training sample."""
     try:
         sample = _first_of_stream(train) if isinstance(train, IterableDataset) else train[0]
@@ -272,18 +299,45 @@ def _probe(train: Dataset, config: TrainingConfig) -> DataFacts:
     inputs, target = split(sample)
     x = first_tensor(inputs) if not isinstance(inputs, (np.ndarray, int, float)) else inputs
     input_shape = () if dict_batches or x is None else tuple(torch.as_tensor(x).shape)
-    num_classes = config.num_classes or _attr(train, "num_classes")
+    num_classes, source = _classes(train, config, num_labels)
     if target is None:
-        return DataFacts(input_shape, None, False, num_classes, _attr(train, "vocab_size"), True)
+        return DataFacts(input_shape, None, False, num_classes, _attr(train, "vocab_size"), True,
+                         source)
     t = torch.as_tensor(target)
     return DataFacts(
-        input_shape, tuple(t.shape), t.is_floating_point(),
-        int(num_classes) if num_classes is not None else None,
-        _attr(train, "vocab_size"), dict_batches,
+        input_shape, tuple(t.shape), t.is_floating_point(), num_classes,
+        _attr(train, "vocab_size"), dict_batches, source,
     )
 
 
-def load_data(config: TrainingConfig) -> DataBundle:
+def _classes(
+    train: Dataset, config: TrainingConfig, num_labels: int | None
+) -> tuple[int | None, str | None]:
+    """How many classes integer labels have, and where that came from: --num_classes,
+    `dataset.classes` (an image-folder list), `dataset.num_classes`, a Hugging Face
+    `ClassLabel` on `labels`, the model's `config.num_labels`, or the labels themselves."""
+    if config.num_classes:
+        return config.num_classes, "--num_classes"
+    classes = _attr(train, "classes")
+    if isinstance(classes, (list, tuple, Mapping)) and len(classes) >= 2:
+        return len(classes), "dataset.classes"
+    counted = _attr(train, "num_classes")
+    if counted is not None:
+        return int(counted), "dataset.num_classes"
+    counted = hf.class_label_count(train)
+    if counted is not None:
+        return int(counted), "features['labels']"
+    if num_labels is not None:
+        return int(num_labels), "the model's config.num_labels"
+    labels = hf.labels_column(train)
+    if labels is not None and len(labels):
+        lo, hi = int(labels.min()), int(labels.max())
+        return _num_classes(lo, hi, config), "the labels seen"
+    return None, None
+
+
+def load_data(config: TrainingConfig, num_labels: int | None = None) -> DataBundle:
+    """The run's data. `num_labels`: the classes the given model says it has."""
     builders = {
         "breast_cancer": _breast_cancer, "digits": _digits, "diabetes": _diabetes,
         "synthetic": _synthetic, "chars": _chars,
@@ -294,4 +348,18 @@ def load_data(config: TrainingConfig) -> DataBundle:
         return _npz(config)
     if config.dataset.endswith(".npy"):
         return _npy(config)
-    return _user_datasets(config)
+    return _user_datasets(config, num_labels)
+
+
+def with_collate(data: DataBundle, config: TrainingConfig, collate: Any = None) -> DataBundle:
+    """The bundle with the user's collate: `collate` as given (`ddptrain.fit`), else
+    `--collate package.module:fn`."""
+    if collate is None and config.collate:
+        collate = load_ref(config.collate, "collate")
+    if collate is None:
+        return data
+    if not callable(collate):
+        raise ConfigError(
+            f"collate {collate!r} is not callable: give a function of a list of samples"
+        )
+    return dataclasses.replace(data, collate=collate)

@@ -6,7 +6,7 @@ over the plan's index lists.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -56,7 +56,10 @@ class Batches(Protocol):
 class TrainBatches:
     """The training batches of this rank, epoch by epoch, in the planned layout."""
 
-    def __init__(self, dataset: Dataset, config: TrainingConfig, ctx: DistributedContext):
+    def __init__(
+        self, dataset: Dataset, config: TrainingConfig, ctx: DistributedContext,
+        collate: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
         self.dataset, self.config, self.ctx = dataset, config, ctx
         self.n = len(dataset)  # type: ignore[arg-type]
         if config.drop_last and self.n < ctx.world_size * config.batch_size:
@@ -68,12 +71,15 @@ class TrainBatches:
             self.n, ctx.world_size, config.batch_size, config.grad_accum_steps, config.drop_last
         )
         # A TensorDataset is sliced a batch at a time, in this process or in each worker,
-        # instead of collated sample by sample.
-        dataset = self.dataset = as_sliceable(dataset)
-        self.in_process = isinstance(dataset, ArrayDataset) and config.num_workers == 0
+        # instead of collated sample by sample; a user's collate gets samples instead.
+        if collate is None:
+            dataset = self.dataset = as_sliceable(dataset)
+        self.in_process = (
+            isinstance(dataset, ArrayDataset) and config.num_workers == 0 and collate is None
+        )
         self.sampler = PlanSampler()
         self.loader = None if self.in_process else make_loader(
-            dataset, config, ctx, batch_sampler=self.sampler
+            dataset, config, ctx, batch_sampler=self.sampler, collate=collate
         )
 
     def plan(self, epoch: int, start: int) -> tuple[torch.Tensor, list[Micro]]:
@@ -116,8 +122,10 @@ class TrainBatches:
 
 
 def make_train_batches(
-    dataset: Dataset, config: TrainingConfig, ctx: DistributedContext
+    dataset: Dataset, config: TrainingConfig, ctx: DistributedContext,
+    collate: Callable[[list[Any]], Any] | None = None,
 ) -> Batches:
+    """`collate`: the user's (`--collate`), given a list of samples."""
     if isinstance(dataset, IterableDataset):
-        return IterableBatches(dataset, config, ctx)
-    return TrainBatches(dataset, config, ctx)
+        return IterableBatches(dataset, config, ctx, collate)
+    return TrainBatches(dataset, config, ctx, collate)

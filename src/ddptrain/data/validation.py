@@ -4,7 +4,7 @@ validation sample counts once on any world size.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,15 +39,21 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         return len(self.indices)
 
 
-def make_val_loader(dataset: Dataset, config: TrainingConfig, ctx: DistributedContext) -> Any:
+def make_val_loader(
+    dataset: Dataset, config: TrainingConfig, ctx: DistributedContext,
+    collate: Callable[[list[Any]], Any] | None = None,
+) -> Any:
+    """`collate`: the user's (`--collate`), given a list of samples."""
     if isinstance(dataset, IterableDataset):
-        return make_iterable_loader(dataset, config, ctx)
+        return make_iterable_loader(dataset, config, ctx, collate=collate)
     indices = torch.arange(ctx.rank, len(dataset), ctx.world_size)  # type: ignore[arg-type]
-    dataset = as_sliceable(dataset)
-    if isinstance(dataset, ArrayDataset) and config.num_workers == 0:
-        return _ArrayBatches(dataset, indices, config.batch_size, ctx.device.type == "cuda")
+    if collate is None:
+        dataset = as_sliceable(dataset)
+        if isinstance(dataset, ArrayDataset) and config.num_workers == 0:
+            return _ArrayBatches(dataset, indices, config.batch_size, ctx.device.type == "cuda")
     return make_loader(dataset, config, ctx, batch_size=config.batch_size,
-                       sampler=ShardSampler(len(dataset), ctx))  # type: ignore[arg-type]
+                       sampler=ShardSampler(len(dataset), ctx),  # type: ignore[arg-type]
+                       collate=collate)
 
 
 class _ArrayBatches:

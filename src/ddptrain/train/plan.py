@@ -45,6 +45,7 @@ class RunPlan:
     rank_bytes: dict[str, int] | None = None  # implied by the strategy (fp32 master state)
     device_bytes: int | None = None  # one rank's device memory (CPU: the host's share)
     largest: dict[str, int] | None = None  # parameters ddp, zero and fsdp fit in it
+    classes: str | None = None  # "10 (dataset.classes)": how many, and who said so
 
     @property
     def samples_per_epoch(self) -> int | None:
@@ -83,7 +84,15 @@ def make_plan(
             parameters, optimizer_slots(cfg)
         ),
         device_bytes=strategy.device_bytes, largest=strategy.largest_models(optimizer_slots(cfg)),
+        classes=_classes(data),
     )
+
+
+def _classes(data: DataBundle) -> str | None:
+    facts = data.facts
+    if facts.num_classes is None or facts.target_is_float or facts.classes_from is None:
+        return None
+    return f"{facts.num_classes} classes (from {facts.classes_from})"
 
 
 def _kind(strategy: StrategyChoice, parameters: int | None, cfg: TrainingConfig) -> str:
@@ -113,6 +122,7 @@ def format_plan(plan: RunPlan, config: TrainingConfig) -> str:
         f"world size      {w} ({plan.strategy}), {plan.device}, backend {plan.backend}, "
         f"{plan.precision}",
         f"task            {plan.task}"
+        + (f", {plan.classes}" if plan.classes is not None else "")
         + (f", {plan.parameters:,} parameters" if plan.parameters is not None else ""),
         f"batch           {b} per rank x {k} accumulation step(s) x {w} rank(s) = "
         f"{plan.global_batch} samples per optimizer step",

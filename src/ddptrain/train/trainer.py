@@ -43,6 +43,7 @@ from ddptrain.data import (
     make_val_loader,
     mark_batch_dynamic,
     split,
+    stop_workers,
     to_device,
 )
 from ddptrain.files import atomic_write_text
@@ -171,8 +172,9 @@ class Trainer:
 
     def _setup_data(self) -> None:
         cfg, ctx = self.config, self.ctx
-        self.val_loader = make_val_loader(self.data.val, cfg, ctx)
-        self.train_batches = make_train_batches(self.data.train, cfg, ctx)
+        collate = self.data.collate
+        self.val_loader = make_val_loader(self.data.val, cfg, ctx, collate)
+        self.train_batches = make_train_batches(self.data.train, cfg, ctx, collate)
         self.steps_per_epoch = self.train_batches.steps_per_epoch
         # An iterable dataset without a length has no planned end: a constant LR.
         self.total_steps = self.steps_per_epoch * cfg.epochs or 2**62
@@ -225,6 +227,9 @@ class Trainer:
                 text = json.dumps(summary, indent=2) + "\n"
                 atomic_write_text(cfg.run_dir / "summary.json", text)
             self.hooks.on_fit_end(self, summary)
+        except BaseException:
+            stop_workers(getattr(self.train_batches, "loader", None), self.val_loader)
+            raise
         finally:
             self.hooks.close()
         return summary
