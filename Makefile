@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 numpy
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,viz]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,viz]' torch==2.13.0
 	touch $(STAMP)
 
 demo: $(STAMP)
