@@ -43,6 +43,9 @@ BAD_FLAGS = [
     (["train", "--resume_from", "missing.pt"], "give an existing checkpoint file"),
     (["frobnicate"], "unknown command 'frobnicate'"),
     (["train", "--global_batch_size", "30", "--batch_size", "8"], "is not a multiple of 1"),
+    (["train", "--strategy", "fsdp", "--find_unused_parameters"],
+     "--find_unused_parameters is a DDP setting and --strategy is 'fsdp'"),
+    (["train", "--strategy", "fsdp", "--static_graph"], "--static_graph is a DDP setting"),
 ]
 
 

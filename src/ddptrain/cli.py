@@ -126,6 +126,36 @@ _PEER_SIGNS = (
 _NCCL_TIMEOUT = re.compile(r"ProcessGroupNCCL.*(timed out|timeout)", re.IGNORECASE)
 
 
+def _unused_parameters(exc: BaseException) -> str | None:
+    """DDP's reducer on a model whose steps leave parameters out of the loss, as what to
+    pass; None for any other error. (The peer rank may fail the same way, or lose this one.)"""
+    text = str(exc)
+    if not isinstance(exc, RuntimeError):
+        return None
+    if "not compatible with static_graph" in text:
+        return (
+            "the model used other parameters on this step than on the first, and "
+            "--static_graph says it never does: use --find_unused_parameters instead"
+        )
+    if "mark a variable ready only once" in text:
+        return (
+            "a parameter got its gradient twice in one backward pass (a module reused, or "
+            "reentrant activation checkpointing): add --static_graph if the model uses the "
+            "same parameters on every step"
+        )
+    if "finished reduction in the prior iteration" not in text and (
+        "not used in producing loss" not in text
+    ):
+        return None
+    found = re.search(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)", text)
+    which = f" (parameter indices {found.group(1).strip()})" if found else ""
+    return (
+        f"the model left parameters{which} out of the loss on a step, and DDP waits for "
+        "their gradients: add --find_unused_parameters (or --static_graph if the same "
+        "parameters go unused on every step)"
+    )
+
+
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     text = lines[0] if lines else type(exc).__name__
@@ -159,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         _note_exit(exc.exit_code)
         return exc.exit_code
     except Exception as exc:
+        unused = _unused_parameters(exc)
+        if unused is not None:
+            _report(f"error: {unused}")
+            return EXIT_USAGE
         if not _lost_peer(exc):
             raise
         _report(

@@ -21,7 +21,11 @@ class DDP(Strategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         # Gradients written straight into the all-reduce buckets save a copy per step.
-        return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
+        return DistributedDataParallel(
+            module, device_ids=device_ids, gradient_as_bucket_view=True,
+            find_unused_parameters=self.config.find_unused_parameters,
+            static_graph=self.config.static_graph,
+        )
 
     def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
         return model.no_sync() if skip else NO_CONTEXT  # type: ignore[operator]
