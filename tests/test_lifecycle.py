@@ -113,6 +113,12 @@ def test_a_failed_start_leaves_the_directory_to_the_corrected_command(
         assert run_cli([*QUICK, "--model", "gpt", "--output_dir", str(other)],
                        cwd=tmp_path).returncode == 2
         assert not other.exists()
+        # a model of 3 inputs on 30 features: fails in its first forward, once config.yaml
+        # and the metrics file were written
+        proc = run_cli([*QUICK, "--model", "guardplug:recorder", "--output_dir", str(other)],
+                       cwd=tmp_path)
+        assert proc.returncode != 0 and "mat1 and mat2" in proc.stderr
+        assert not other.exists()
 
 
 def test_a_refused_resume_leaves_the_runs_config_and_job_as_they_were(tmp_path: Path) -> None:
