@@ -46,6 +46,8 @@ BAD_FLAGS = [
     (["train", "--strategy", "fsdp", "--find_unused_parameters"],
      "--find_unused_parameters is a DDP setting and --strategy is 'fsdp'"),
     (["train", "--strategy", "fsdp", "--static_graph"], "--static_graph is a DDP setting"),
+    (["train", "--static_graph", "--grad_accum_steps", "2"],
+     "--static_graph with gradient accumulation (2 micro-steps a step) is unsupported"),
 ]
 
 

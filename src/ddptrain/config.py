@@ -134,7 +134,7 @@ class TrainingConfig:
     static_graph: bool = _f(
         False,
         "ddp, zero: the model uses the same parameters on every step (some may never be "
-        "used); DDP then skips the per-step search",
+        "used); DDP then skips the per-step search. Not with gradient accumulation",
     )
     # Mixed precision
     use_amp: bool = _f(True, "mixed precision on CUDA; on CPU only with --amp_dtype bfloat16")

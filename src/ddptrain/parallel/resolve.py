@@ -80,6 +80,14 @@ def resolve_strategy(
             _refuse("no-reshard_after_forward", None, config.strategy)
         if config.fsdp_cpu_offload:
             _refuse("fsdp_cpu_offload", None, config.strategy)
+        if config.static_graph and config.grad_accum_steps > 1:
+            # torch's reducer asserts on a static graph's first backward inside no_sync
+            # (pytorch/pytorch#143580), and past that would skip the later all-reduces.
+            raise ConfigError(
+                f"--static_graph with gradient accumulation ({config.grad_accum_steps} "
+                "micro-steps a step) is unsupported: DDP breaks on a static graph inside "
+                "no_sync; use --find_unused_parameters instead, or no accumulation"
+            )
     else:
         for flag in ("find_unused_parameters", "static_graph"):
             if getattr(config, flag):
