@@ -147,8 +147,20 @@ def _unused_parameters(exc: BaseException) -> str | None:
         "not used in producing loss" not in text
     ):
         return None
-    found = re.search(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)", text)
-    which = f" (parameter indices {found.group(1).strip()})" if found else ""
+    if "find_unused_parameters=True` is enabled" in text:
+        return (
+            "DDP could not follow the loss back to every output the model returned, though "
+            "--find_unused_parameters is on: compute the loss from all of the model's "
+            "outputs, or return only those the loss uses"
+        )
+    # names with TORCH_DISTRIBUTED_DEBUG=INFO, else indices
+    names = re.search(r"Parameters which did not receive grad for rank \d+: ([^\n]+)", text)
+    indices = re.search(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)",
+                        text)
+    which = (
+        f" ({names.group(1).strip()[:120]})" if names
+        else f" (parameter indices {indices.group(1).strip()})" if indices else ""
+    )
     return (
         f"the model left parameters{which} out of the loss on a step, and DDP waits for "
         "their gradients: add --find_unused_parameters (or --static_graph if the same "
