@@ -193,8 +193,7 @@ class RunClaim:
         config = self.config
         if config.resume_from is None:
             refuse_occupied(config)
-        before = {}
-        # The checkpoint directory first: it is usually inside the run directory.
+        before: dict[Path, frozenset[str] | None] = {}
         for directory in (config.ckpt_dir, config.run_dir):
             with contextlib.suppress(OSError):  # unreadable: never given back
                 before[directory] = (
@@ -210,27 +209,35 @@ class RunClaim:
             mark_job(self.config.run_dir)
 
     def give_back(self) -> None:
-        """Remove the entries this start added to the run and checkpoint directories, and
-        either directory if this start created it. The lock file goes before the lock is
-        released: a job that opened it meanwhile is refused, one that opens it after
-        creates its own."""
-        if not self.main or self.trained:
+        """Remove what this start added to the run directory (held under its lock; the
+        directory itself if this start made it) and a checkpoint directory it made, if
+        still empty: nothing is checkpointed before the first step, and a
+        `--checkpoint_dir` outside the run directory is not under the lock. The lock file
+        goes before the lock is released: a job that opened it meanwhile is refused, one
+        that opens it after creates its own."""
+        if not self.main or self.trained or not self._before:
             return
-        for directory, before in self._before.items():
-            if before is None:
-                shutil.rmtree(directory, ignore_errors=True)
-                continue
-            try:
-                now = set(os.listdir(directory))
-            except OSError:
-                continue
-            for name in now - before:
-                path = directory / name
-                with contextlib.suppress(OSError):
-                    if path.is_dir() and not path.is_symlink():
-                        shutil.rmtree(path)
-                    else:
-                        path.unlink()
+        run_dir, ckpt_dir = self.config.run_dir, self.config.ckpt_dir
+        if ckpt_dir in self._before and self._before[ckpt_dir] is None:
+            with contextlib.suppress(OSError):
+                ckpt_dir.rmdir()
+        if run_dir not in self._before:
+            return
+        before = self._before[run_dir]
+        if before is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return
+        try:
+            added = set(os.listdir(run_dir)) - before
+        except OSError:
+            return
+        for name in added:
+            path = run_dir / name
+            with contextlib.suppress(OSError):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
 
     def release(self) -> None:
         self.lock.release()
