@@ -43,6 +43,11 @@ BAD_FLAGS = [
     (["train", "--resume_from", "missing.pt"], "give an existing checkpoint file"),
     (["frobnicate"], "unknown command 'frobnicate'"),
     (["train", "--global_batch_size", "30", "--batch_size", "8"], "is not a multiple of 1"),
+    (["train", "--strategy", "fsdp", "--find_unused_parameters"],
+     "--find_unused_parameters is a DDP setting and --strategy is 'fsdp'"),
+    (["train", "--strategy", "fsdp", "--static_graph"], "--static_graph is a DDP setting"),
+    (["train", "--static_graph", "--grad_accum_steps", "2"],
+     "--static_graph with gradient accumulation (2 micro-steps a step) is unsupported"),
 ]
 
 
@@ -245,3 +250,42 @@ def test_single_process_without_torchrun(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((run / "summary.json").read_text())["world_size"] == 1
     _check_run_dir(run, 2)
+
+
+_UNUSED = (
+    "Expected to have finished reduction in the prior iteration before starting a new one. "
+    "This error indicates that your module has parameters that were not used in producing "
+    "loss. You can enable unused parameter detection by passing the keyword argument "
+    "`find_unused_parameters=True` to `torch.nn.parallel.DistributedDataParallel`, and by \n"
+    "making sure all `forward` function outputs participate in calculating loss. \n"
+)
+
+
+@pytest.mark.parametrize(("text", "needles"), [
+    (_UNUSED + "Parameter indices which did not receive grad for rank 1: 2 3\n In addition",
+     ["(parameter indices 2 3)", "add --find_unused_parameters", "--static_graph"]),
+    (_UNUSED + "Parameters which did not receive grad for rank 0: branch.bias, branch.weight\n",
+     ["(branch.bias, branch.weight)", "add --find_unused_parameters"]),
+    ("Expected to have finished reduction in the prior iteration before starting a new one. "
+     "This error indicates that your module has parameters that were not used in producing "
+     "loss. Since `find_unused_parameters=True` is enabled, this likely  means that not all "
+     "`forward` outputs participate in computing loss.", ["compute the loss from all"]),
+    ("Expected to have finished reduction in the prior iteration before starting a new one. "
+     "This error indicates that your training graph has changed in this iteration, e.g., one "
+     "parameter is used in first iteration, but then got unused in the second iteration. "
+     "this is not compatible with static_graph set to True.",
+     ["--static_graph says", "use --find_unused_parameters"]),
+])
+def test_ddps_unused_parameter_errors_are_one_line_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, text: str,
+    needles: list[str],
+) -> None:
+    import ddptrain.cli as cli
+
+    def fail(argv: list[str]) -> int:
+        raise RuntimeError(text)
+
+    monkeypatch.setitem(cli.COMMANDS, "train", fail)
+    err = _one_line_error(capsys, ["train"])
+    assert all(n in err for n in needles), err
+

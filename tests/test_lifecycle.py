@@ -86,6 +86,56 @@ def test_each_fresh_run_gets_its_own_directory_and_id(tmp_path: Path) -> None:
     assert len(ids) == 2
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_failed_start_leaves_the_directory_to_the_corrected_command(
+    tmp_path: Path, ranks: int
+) -> None:
+    def launch(args: list[str]) -> subprocess.CompletedProcess[str]:
+        if ranks == 1:
+            return run_cli(args, cwd=tmp_path)
+        return run_torchrun(2, args, cwd=tmp_path)
+
+    run = tmp_path / "run"  # a directory of the user's, holding a file of theirs
+    run.mkdir()
+    (run / "notes.txt").write_text("mine\n")
+    args = [*QUICK, "--epochs", "1", "--output_dir", str(run)]
+    # fails once the model is built, after the lock and the process group
+    failed = launch([*args, "--model", "gpt"])
+    assert failed.returncode != 0
+    errors = [x for x in failed.stderr.splitlines() if "ddptrain: " in x]
+    assert len(errors) == ranks and all("--model gpt needs token windows" in x for x in errors)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    proc = launch([*args, "--model", "mlp"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run / "config.yaml").is_file() and (run / "notes.txt").read_text() == "mine\n"
+    if ranks == 1:  # a start that fails in a directory it made leaves no directory
+        other = tmp_path / "other"
+        assert run_cli([*QUICK, "--model", "gpt", "--output_dir", str(other)],
+                       cwd=tmp_path).returncode == 2
+        assert not other.exists()
+        # a model of 3 inputs on 30 features: fails in its first forward, once config.yaml
+        # and the metrics file were written
+        proc = run_cli([*QUICK, "--model", "guardplug:recorder", "--output_dir", str(other)],
+                       cwd=tmp_path)
+        assert proc.returncode != 0 and "mat1 and mat2" in proc.stderr
+        assert not other.exists()
+
+
+def test_a_refused_resume_leaves_the_runs_config_and_job_as_they_were(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [*QUICK, "--epochs", "1", "--output_dir", str(run)]
+    assert run_torchrun(2, args, cwd=tmp_path).returncode == 0
+    marks = {name: (run / name).read_bytes() for name in ("config.yaml", ".job")}
+    refused = run_torchrun(2, [*QUICK, "--epochs", "2", "--width", "32", "--output_dir", str(run),
+                               "--resume_from", "auto"], cwd=tmp_path)
+    assert refused.returncode != 0 and "does not fit this model" in refused.stderr
+    assert {name: (run / name).read_bytes() for name in marks} == marks
+    proc = run_cli(["train", "--config", str(run / "config.yaml"), "--epochs", "2",
+                    "--resume_from", "auto"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed from" in proc.stdout + proc.stderr
+
+
 # ---------------------------------------------------------------- 2. the lock
 def test_a_second_job_is_refused_while_the_first_owns_the_directory(tmp_path: Path) -> None:
     run = tmp_path / "run"

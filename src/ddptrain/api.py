@@ -30,10 +30,8 @@ from typing import TYPE_CHECKING, Any
 from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError, TrainingStopped
 from ddptrain.launch.rundir import (
-    RunLock,
-    mark_job,
+    RunClaim,
     new_run_id,
-    refuse_occupied,
     resolve_layout,
     resume_source,
     saved_run_id,
@@ -103,8 +101,8 @@ def fit(
     finished = _finished_summary(run, model)
     if finished is not None:
         return finished
-    with claim_run_dir(run) as config:
-        return _run_in_group(dataclasses.replace(run, config=config), model, hooks)
+    with claim_run_dir(run) as claim:
+        return _run_in_group(dataclasses.replace(run, config=claim.config), model, hooks, claim)
 
 
 def resolve_run(
@@ -155,42 +153,41 @@ def resolve_run(
 
 
 @contextlib.contextmanager
-def claim_run_dir(run: Resolved) -> Iterator[TrainingConfig]:
-    """Rank 0 refuses another run's directory, takes the directory's lock and writes
-    `config.yaml` with the run id; yields the config with its run id. On the way out the
-    curves drawing finishes before the lock goes, so a finished job's directory is whole."""
-    from ddptrain.config import dump_yaml
-
-    config, main = run.config, run.cluster.rank == 0
-    lock = RunLock(config.run_dir)
-    if main:
-        if config.resume_from is None:
-            refuse_occupied(config)
-        make_run_dirs(config)
-        lock.acquire()
+def claim_run_dir(run: Resolved) -> Iterator[RunClaim]:
+    """Rank 0 refuses another run's directory and takes the directory's lock; yields the
+    claim, its config with the run id. `config.yaml` (with the run id) and `.job` are
+    written by `claim.commit()` once the trainer is built; a start that fails before its
+    first step leaves the directory as it found it. On the way out the curves drawing
+    finishes before the lock goes, so a finished job's directory is whole."""
+    main = run.cluster.rank == 0
+    claim = RunClaim(run.config, main)
+    failed = True
     try:
+        claim.take(make_run_dirs)
         if main:
-            config = _with_run_id(config)
-            dump_yaml(config, config.run_dir / "config.yaml")
-            log.info("run %s in %s", config.run_id, config.run_dir)
-        yield config
+            claim.config = _with_run_id(run.config)
+            log.info("run %s in %s", claim.config.run_id, claim.config.run_dir)
+        yield claim
+        failed = False
     finally:
         from ddptrain.observe.plot import wait_for_drawings
 
         wait_for_drawings()  # curves.png, drawn while the group tore down: in before the lock goes
-        lock.release()
+        if failed:
+            claim.give_back()
+        claim.release()
 
 
-def _run_in_group(run: Resolved, model: Any, hooks: Sequence[Any]) -> dict[str, Any]:
+def _run_in_group(
+    run: Resolved, model: Any, hooks: Sequence[Any], claim: RunClaim | None = None
+) -> dict[str, Any]:
     """Start the process group, train, and tear it down whatever happens."""
     from ddptrain.launch.process_group import setup_distributed, teardown_distributed
 
     ctx = setup_distributed(run.config, run.cluster, run.device, run.backend)
-    if ctx.is_main:  # every rank has read the directory's job by now
-        mark_job(run.config.run_dir)
     clean = False
     try:
-        summary = _fit(run, ctx, model, hooks)
+        summary = _fit(run, ctx, model, hooks, claim)
         clean = True
     except TrainingStopped:
         clean = True  # every rank stopped at the same agreed step
@@ -314,9 +311,13 @@ def _resolve_config(config: TrainingConfig | None, fields: dict[str, Any]) -> Tr
     return config.validate()
 
 
-def _fit(run: Resolved, ctx: Any, model: Any, hooks: Sequence[Any]) -> dict[str, Any]:
-    """Build and run the trainer. Its model, optimizer and loaders die with this frame,
-    before the process group is destroyed (see `teardown_distributed`)."""
+def _fit(
+    run: Resolved, ctx: Any, model: Any, hooks: Sequence[Any], claim: RunClaim | None
+) -> dict[str, Any]:
+    """Build and run the trainer; once it is built (every check of the start passed, a
+    resume's checkpoint accepted) the claim marks the directory as this run's. Its model,
+    optimizer and loaders die with this frame, before the process group is destroyed
+    (see `teardown_distributed`)."""
     from ddptrain.train import Trainer
 
     if model is not None and not _is_module(model):
@@ -326,7 +327,13 @@ def _fit(run: Resolved, ctx: Any, model: Any, hooks: Sequence[Any]) -> dict[str,
         run.config, ctx, run.data, module=model, task=run.task, hooks=hooks,
         precision=run.precision, strategy=run.strategy,
     )
-    return trainer.fit()
+    if claim is None:
+        return trainer.fit()
+    claim.commit()  # every rank has read the directory's job (resolve_run) by now
+    try:
+        return trainer.fit()
+    finally:
+        claim.trained = trainer.first_step_s is not None
 
 
 def _num_labels(model: Any) -> int | None:

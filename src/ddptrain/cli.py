@@ -126,6 +126,48 @@ _PEER_SIGNS = (
 _NCCL_TIMEOUT = re.compile(r"ProcessGroupNCCL.*(timed out|timeout)", re.IGNORECASE)
 
 
+def _unused_parameters(exc: BaseException) -> str | None:
+    """DDP's reducer on a model whose steps leave parameters out of the loss, as what to
+    pass; None for any other error. (The peer rank may fail the same way, or lose this one.)"""
+    text = str(exc)
+    if not isinstance(exc, RuntimeError):
+        return None
+    if "not compatible with static_graph" in text:
+        return (
+            "the model used other parameters on this step than on the first, and "
+            "--static_graph says it never does: use --find_unused_parameters instead"
+        )
+    if "mark a variable ready only once" in text:
+        return (
+            "a parameter got its gradient twice in one backward pass (a module reused, or "
+            "reentrant activation checkpointing): add --static_graph if the model uses the "
+            "same parameters on every step"
+        )
+    if "finished reduction in the prior iteration" not in text and (
+        "not used in producing loss" not in text
+    ):
+        return None
+    if "find_unused_parameters=True` is enabled" in text:
+        return (
+            "DDP could not follow the loss back to every output the model returned, though "
+            "--find_unused_parameters is on: compute the loss from all of the model's "
+            "outputs, or return only those the loss uses"
+        )
+    # names with TORCH_DISTRIBUTED_DEBUG=INFO, else indices
+    names = re.search(r"Parameters which did not receive grad for rank \d+: ([^\n]+)", text)
+    indices = re.search(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)",
+                        text)
+    which = (
+        f" ({names.group(1).strip()[:120]})" if names
+        else f" (parameter indices {indices.group(1).strip()})" if indices else ""
+    )
+    return (
+        f"the model left parameters{which} out of the loss on a step, and DDP waits for "
+        "their gradients: add --find_unused_parameters (or --static_graph if the same "
+        "parameters go unused on every step)"
+    )
+
+
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     text = lines[0] if lines else type(exc).__name__
@@ -159,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         _note_exit(exc.exit_code)
         return exc.exit_code
     except Exception as exc:
+        unused = _unused_parameters(exc)
+        if unused is not None:
+            _report(f"error: {unused}")
+            return EXIT_USAGE
         if not _lost_peer(exc):
             raise
         _report(

@@ -131,6 +131,16 @@ class TrainingConfig:
         True, "fsdp: free gathered parameters after forward (ZeRO-3); no: keep them (ZeRO-2)"
     )
     fsdp_cpu_offload: bool = _f(False, "fsdp on GPU: keep sharded parameters on the CPU")
+    find_unused_parameters: bool = _f(
+        False,
+        "ddp, zero: a model whose steps leave some parameters out of the loss (a branch "
+        "not taken): DDP looks for them each step instead of waiting for their gradients",
+    )
+    static_graph: bool = _f(
+        False,
+        "ddp, zero: the model uses the same parameters on every step (some may never be "
+        "used); DDP then skips the per-step search. Not with gradient accumulation",
+    )
     # Mixed precision
     use_amp: bool = _f(True, "mixed precision on CUDA; on CPU only with --amp_dtype bfloat16")
     amp_dtype: Literal["auto", "float16", "bfloat16"] = _f(

@@ -8,6 +8,11 @@ ever meet this run's checkpoints. While a job trains, its rank 0 holds an OS loc
 leaves no stale lock, and a second job into the same directory is refused with the
 holder's host and pid.
 
+A start marks its directory only once every check of the start has passed (the trainer is
+built, a resume's checkpoint accepted): `config.yaml` and `.job` are written then, and a
+start that fails before its first step removes what it had created (`RunClaim`), so the
+corrected command finds the directory as it was.
+
 Without `--output_dir`, a fresh run gets its own directory `runs/<dataset>-<id>`.
 """
 
@@ -18,14 +23,16 @@ import fcntl
 import os
 import re
 import secrets
+import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import yaml
 
-from ddptrain.config import TrainingConfig
+from ddptrain.config import TrainingConfig, dump_yaml
 from ddptrain.errors import ConfigError
 
 # What makes a directory a run's: any of these written by an earlier run.
@@ -161,3 +168,76 @@ class RunLock:
                 fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+
+
+class RunClaim:
+    """Rank 0's claim on a run directory for one job (other ranks hold an inert one).
+
+    `take` refuses another run's directory (a fresh run), notes what the run and
+    checkpoint directories hold, creates them and takes the lock. `commit`, called once
+    the trainer is built (every check of the start has passed), writes what says the
+    directory holds this run: `config.yaml`, `.job`. `give_back`, for a start that fails
+    before its first step, removes what this start created, so that the corrected command
+    is not refused; a refused resume leaves the run's `config.yaml` and `.job` as they
+    were, never written."""
+
+    def __init__(self, config: TrainingConfig, main: bool) -> None:
+        self.config, self.main = config, main
+        self.lock = RunLock(config.run_dir)
+        self.trained = False  # a step completed: the directory holds this run's work
+        self._before: dict[Path, frozenset[str] | None] = {}
+
+    def take(self, make_dirs: Callable[[TrainingConfig], None]) -> None:
+        if not self.main:
+            return
+        config = self.config
+        if config.resume_from is None:
+            refuse_occupied(config)
+        before: dict[Path, frozenset[str] | None] = {}
+        for directory in (config.ckpt_dir, config.run_dir):
+            with contextlib.suppress(OSError):  # unreadable: never given back
+                before[directory] = (
+                    frozenset(os.listdir(directory)) if directory.exists() else None
+                )
+        make_dirs(config)
+        self.lock.acquire()
+        self._before = before  # only a start that holds the lock gives anything back
+
+    def commit(self) -> None:
+        if self.main:
+            dump_yaml(self.config, self.config.run_dir / "config.yaml")
+            mark_job(self.config.run_dir)
+
+    def give_back(self) -> None:
+        """Remove what this start added to the run directory (held under its lock; the
+        directory itself if this start made it) and a checkpoint directory it made, if
+        still empty: nothing is checkpointed before the first step, and a
+        `--checkpoint_dir` outside the run directory is not under the lock. The lock file
+        goes before the lock is released: a job that opened it meanwhile is refused, one
+        that opens it after creates its own."""
+        if not self.main or self.trained or not self._before:
+            return
+        run_dir, ckpt_dir = self.config.run_dir, self.config.ckpt_dir
+        if ckpt_dir in self._before and self._before[ckpt_dir] is None:
+            with contextlib.suppress(OSError):
+                ckpt_dir.rmdir()
+        if run_dir not in self._before:
+            return
+        before = self._before[run_dir]
+        if before is None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return
+        try:
+            added = set(os.listdir(run_dir)) - before
+        except OSError:
+            return
+        for name in added:
+            path = run_dir / name
+            with contextlib.suppress(OSError):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+
+    def release(self) -> None:
+        self.lock.release()

@@ -55,7 +55,9 @@ class DDP(Strategy):
         with first_buckets(module, order, caps):
             # Gradients written straight into the all-reduce buckets save a copy per step.
             return DistributedDataParallel(
-                module, device_ids=device_ids, gradient_as_bucket_view=True
+                module, device_ids=device_ids, gradient_as_bucket_view=True,
+                find_unused_parameters=self.config.find_unused_parameters,
+                static_graph=self.config.static_graph,
             )
 
     def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:

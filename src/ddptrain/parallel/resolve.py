@@ -80,12 +80,28 @@ def resolve_strategy(
             _refuse("no-reshard_after_forward", None, config.strategy)
         if config.fsdp_cpu_offload:
             _refuse("fsdp_cpu_offload", None, config.strategy)
-    elif config.fsdp_cpu_offload and (world_size == 1 or device_type != "cuda"):
-        where = "one process" if world_size == 1 else "CPU"
-        raise ConfigError(
-            f"--fsdp_cpu_offload is invalid on {where}: it moves GPU shards of 2+ ranks "
-            "into CPU memory, and here the parameters already live there; drop the flag"
-        )
+        if config.static_graph and config.grad_accum_steps > 1:
+            # torch's reducer asserts on a static graph's first backward inside no_sync
+            # (pytorch/pytorch#143580), and past that would skip the later all-reduces.
+            raise ConfigError(
+                f"--static_graph with gradient accumulation ({config.grad_accum_steps} "
+                "micro-steps a step) is unsupported: DDP breaks on a static graph inside "
+                "no_sync; use --find_unused_parameters instead, or no accumulation"
+            )
+    else:
+        for flag in ("find_unused_parameters", "static_graph"):
+            if getattr(config, flag):
+                raise ConfigError(
+                    f"--{flag} is a DDP setting and --strategy is 'fsdp', which needs none "
+                    "(it reduces gradients per module): drop the flag, or use --strategy ddp "
+                    "or zero"
+                )
+        if config.fsdp_cpu_offload and (world_size == 1 or device_type != "cuda"):
+            where = "one process" if world_size == 1 else "CPU"
+            raise ConfigError(
+                f"--fsdp_cpu_offload is invalid on {where}: it moves GPU shards of 2+ ranks "
+                "into CPU memory, and here the parameters already live there; drop the flag"
+            )
     memory = device_memory(device, world_size if local_ranks is None else local_ranks)
     auto = config.checkpoint_format == "auto"
     if world_size == 1:
