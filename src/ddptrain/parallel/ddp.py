@@ -44,7 +44,9 @@ class DDP(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         model = self._wrap(module)
-        self._ready = ReadyOrder(model, module)
+        # With --find_unused_parameters DDP never rebuilds its buckets: nothing to keep.
+        if not self.config.find_unused_parameters:
+            self._ready = ReadyOrder(model, module)
         return model
 
     def _wrap(
@@ -70,7 +72,7 @@ class DDP(Strategy):
     def resume_module(self, model: nn.Module, module: nn.Module, saved: State) -> nn.Module:
         """DDP built again, its first layout the one the checkpointed run had rebuilt
         (when the checkpoint knows it and the parameters are the same)."""
-        order = saved.get(READY_ORDER) or []
+        order = [] if self.config.find_unused_parameters else saved.get(READY_ORDER) or []
         trainable = [n for n, p in module.named_parameters() if p.requires_grad]
         if not isinstance(model, DistributedDataParallel) or sorted(order) != sorted(trainable):
             return model
