@@ -162,7 +162,7 @@ def report(results: dict[str, Any]) -> str:
         "load), the bytes it read from storage and its peak RSS growth. *before* is the "
         "code before checksums, links and the save group; *after* is this tree.", "",
         "| code | strategy | format | save s (rank 0 / 1) | held training s | GB written "
-        "(rank 0 / 1) | resume s | GB read (rank 0 / 1) | RSS growth GB (rank 0 / 1) |",
+        "(rank 0 / 1) | resume s | GB read (rank 0 / 1) | peak RSS growth GB (rank 0 / 1) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, cases in results["runs"].items():
@@ -186,7 +186,12 @@ def report(results: dict[str, Any]) -> str:
               "copies `latest.pt`, `best.pt`); *after* once (hard links). "
               "The checksums cost a read of each file by the rank that checks it: at save, "
               "from the page cache the write just filled; at resume, the first read of the "
-              "bytes the load then takes from the page cache.", ""]
+              "bytes the load then takes from the page cache. The RSS column counts mapped "
+              "file pages too: *after*, rank 0's checksum pass maps the whole `.pt` (page "
+              "cache, not a copy); *before*, the `.pt` resume read less because a CPU "
+              "optimizer's state stayed mapped from the file, unread until the first step "
+              "after the resume (outside this measure). Times are one run each on 2 shared "
+              "cores: differences of a second or two are noise; bytes are exact.", ""]
     return "\n".join(lines)
 
 
