@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-0.3
+STAMP  := $(VENV)/.installed-0.4
 
 .PHONY: setup demo test test-fast test-heavy lint typecheck clean
 

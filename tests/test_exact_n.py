@@ -11,6 +11,7 @@ The kill is the model SIGKILLing its own process at a given training forward
 
 from __future__ import annotations
 
+import gc
 import subprocess
 from pathlib import Path
 
@@ -97,6 +98,11 @@ def _layouts(rank: int) -> dict[str, object]:
         # a resume: DDP built again from what the checkpoint saved, its first step
         model = strategy.resume_module(model, module, saved)
         started = step()
+        # gloo's teardown trap: no DDP wrapper may outlive the group
+        model = None
+        del module, strategy, step
+        gc.collect()
+        dist.barrier()
         return {"first": first, "rebuilt": rebuilt, "started": started, "saved": saved}
     finally:
         dist.destroy_process_group()
