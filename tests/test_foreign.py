@@ -1,0 +1,69 @@
+"""What a run directory holds is never trusted to run code or to be written through: a
+planted DCP `.metadata`, a `.lock` that is a symlink, a DCP checkpoint of another model,
+a run directory that cannot be written."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddptrain.checkpoint.integrity import file_crc
+from ddptrain.cli import main
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _one_line(capsys: pytest.CaptureFixture[str], args: list[str], code: int = 2) -> str:
+    capsys.readouterr()
+    rc = main(args)
+    err = capsys.readouterr().err.strip()
+    assert rc == code and len(err.splitlines()) == 1, (rc, err)
+    assert err.startswith("ddptrain: error: "), err
+    return err
+
+
+def _plant(step_dir: Path, marker: Path) -> None:
+    """Replace a step directory's `.metadata` with a pickle that runs code, and record
+    its checksum in `meta.pt` as an attacker who rewrites the directory would."""
+    (step_dir / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    meta = torch.load(step_dir / "meta.pt", weights_only=True)
+    meta["shards"][".metadata"] = file_crc(step_dir / ".metadata")
+    torch.save(meta, step_dir / "meta.pt")
+
+
+def test_a_planted_dcp_metadata_is_refused_and_never_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    base = ["train", "--batch_size", "64", "--checkpoint_format", "dcp", "--output_dir", str(run)]
+    assert main([*base, "--epochs", "2"]) == 0
+    ckpt = run / "checkpoints"
+    older, newest = ckpt / "step_000000008", ckpt / "step_000000016"
+    assert older.is_dir() and newest.is_dir()
+    marker = tmp_path / "pwned"
+    _plant(newest, marker)
+
+    other = ["train", "--batch_size", "64", "--output_dir", str(tmp_path / "r2"), "--epochs", "3"]
+    err = _one_line(capsys, [*other, "--resume_from", str(newest)])
+    assert "pickled code" in err and "refused" in err and str(newest) in err
+    err = _one_line(capsys, ["export", str(newest), str(tmp_path / "m.safetensors")])
+    assert "pickled code" in err
+    assert not marker.exists(), "reading the step directory ran its code"
+
+    # auto skips it with a warning and resumes from the whole one before it
+    assert main([*base, "--epochs", "3", "--resume_from", "auto"]) == 0
+    out = capsys.readouterr()
+    assert "skipping unusable checkpoint" in out.out + out.err
+    assert not marker.exists(), "reading the step directory ran its code"
+    assert (ckpt / "step_000000024").is_dir()
+    assert main(["export", str(older), str(tmp_path / "m.safetensors")]) == 0
