@@ -67,3 +67,20 @@ def test_a_planted_dcp_metadata_is_refused_and_never_runs(
     assert not marker.exists(), "reading the step directory ran its code"
     assert (ckpt / "step_000000024").is_dir()
     assert main(["export", str(older), str(tmp_path / "m.safetensors")]) == 0
+
+
+def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_untouched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    base = ["train", "--batch_size", "64", "--output_dir", str(run)]
+    assert main([*base, "--epochs", "1"]) == 0
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep these bytes\n")
+    lock = run / ".lock"
+    lock.unlink()
+    lock.symlink_to(target)
+    err = _one_line(capsys, [*base, "--epochs", "2", "--resume_from", "auto"])
+    assert str(lock) in err and "symlink" in err
+    assert target.read_bytes() == b"keep these bytes\n"
+    assert lock.is_symlink()
