@@ -84,3 +84,16 @@ def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_untouched(
     assert str(lock) in err and "symlink" in err
     assert target.read_bytes() == b"keep these bytes\n"
     assert lock.is_symlink()
+
+
+def test_a_dcp_checkpoint_of_another_width_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    base = ["train", "--batch_size", "64", "--checkpoint_format", "dcp", "--epochs", "1"]
+    assert main([*base, "--output_dir", str(run)]) == 0
+    step = run / "checkpoints" / "step_000000008"
+    other = [*base, "--epochs", "2", "--width", "32", "--output_dir", str(tmp_path / "r2")]
+    err = _one_line(capsys, [*other, "--resume_from", str(step)])
+    assert "does not fit this model and optimizer" in err and str(step) in err
+    assert "CheckpointException" not in err

@@ -26,6 +26,7 @@ share, before it loads a byte (`integrity`).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -33,6 +34,7 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -255,11 +257,13 @@ class ShardedCheckpointer:
                 )
                 self._pending = (future, partial, final, meta, best)
             else:
-                dcp.save(
-                    state, checkpoint_id=partial, planner=planner, process_group=self.group
-                )
-        except Exception as exc:  # DCP gathers every rank's error; one line follows
-            failure = exc
+                with _one_process_quietly():
+                    dcp.save(
+                        state, checkpoint_id=partial, planner=planner,
+                        process_group=self.group,
+                    )
+        except (Exception, CheckpointException) as exc:  # every rank's error; one line follows
+            failure = dcp_cause(exc)
         self.blocking_s.append(time.perf_counter() - t0)
         if failure is not None or not self.background:
             self._commit(partial, final, meta, best, failure)
@@ -274,8 +278,8 @@ class ShardedCheckpointer:
         failure: BaseException | None = None
         try:
             future.result()
-        except Exception as exc:
-            failure = exc
+        except (Exception, CheckpointException) as exc:
+            failure = dcp_cause(exc)
         self._commit(partial, final, meta, best, failure)
 
     def close(self) -> None:
@@ -345,19 +349,40 @@ def _pointer(path: Path) -> str | None:
         return None
 
 
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """DCP without a process group (one process, on purpose), without its warning that
+    it assumes so: a run's stderr keeps to its own lines."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def dcp_cause(exc: BaseException) -> BaseException:
+    """What went wrong inside DCP: the first rank's own error that a
+    `CheckpointException` (a `BaseException`, gathered from every rank) wraps."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        first = exc.failures[min(exc.failures)]
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            return first[0]
+    return exc
+
+
 def load_sharded(path: Path, state: dict[str, Any]) -> None:
     """Collective: fill `state` (what `Strategy.sharded_state` returns) from `path`."""
     try:
-        dcp.load(
-            state, checkpoint_id=path, storage_reader=SafeReader(str(path)),
-            planner=SafeLoadPlanner(),
-        )
+        with _one_process_quietly():
+            dcp.load(
+                state, checkpoint_id=path, storage_reader=SafeReader(str(path)),
+                planner=SafeLoadPlanner(),
+            )
     except (Exception, CheckpointException) as exc:  # DCP's own derives from BaseException
-        if "ForeignMetadata" in str(exc) or isinstance(exc, ForeignMetadata):
-            raise _refused(path, "a name DCP metadata is not made of") from None
-        text = str(exc).strip()
-        reason = text.splitlines()[0][:200] if text else type(exc).__name__
-        missing = re.findall(r"Missing key in checkpoint state_dict: ([\w.]+)", text)
+        cause = dcp_cause(exc)
+        if isinstance(cause, ForeignMetadata):
+            raise _refused(path, str(cause)) from None
+        text = str(cause).strip()
+        reason = text.splitlines()[0][:200] if text else type(cause).__name__
+        missing = re.findall(r"Missing key in checkpoint state_dict: ([\w.]+)", str(exc))
         if missing:
             reason = f"it lacks {', '.join(missing[:4])}"
         raise CheckpointError(
@@ -378,8 +403,7 @@ def model_state_from_dir(path: Path) -> dict[str, torch.Tensor]:
         if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
     state = {"model": template}
-    with warnings.catch_warnings():  # one process on purpose: no "assuming" warning
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with _one_process_quietly():
         dcp.load(
             state, checkpoint_id=path, no_dist=True, storage_reader=SafeReader(str(path)),
             planner=SafeLoadPlanner(),
