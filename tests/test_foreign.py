@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,54 @@ def test_a_dcp_checkpoint_of_another_width_is_one_line(
     err = _one_line(capsys, [*other, "--resume_from", str(step)])
     assert "does not fit this model and optimizer" in err and str(step) in err
     assert "CheckpointException" not in err
+
+
+def test_run_logs_that_cannot_be_written_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    base = ["train", "--batch_size", "64", "--output_dir", str(run)]
+    assert main([*base, "--epochs", "1"]) == 0
+    again = [*base, "--epochs", "2", "--resume_from", "auto"]
+
+    # metrics.jsonl that cannot be replaced (a directory in its place): no root needed
+    metrics = run / "metrics.jsonl"
+    rows = metrics.read_bytes()
+    metrics.unlink()
+    metrics.mkdir()
+    err = _one_line(capsys, again)
+    assert "cannot write the run's log" in err and str(metrics) in err
+    metrics.rmdir()
+    metrics.write_bytes(rows)
+
+    # a read-only TensorBoard directory (a read-only tmpfs over it)
+    board = run / "tensorboard"
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(board)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        err = _one_line(capsys, again)
+        assert "cannot write the run's log" in err and "Read-only file system" in err
+        assert metrics.read_bytes() == rows  # left as it was
+    finally:
+        subprocess.run(["umount", "-l", str(board)], check=False)
+    assert main(again) == 0  # and the corrected directory resumes
+
+
+def test_a_read_only_run_directory_is_refused_at_the_start_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        run = mount / "run"
+        base = ["train", "--batch_size", "64", "--output_dir", str(run)]
+        assert main([*base, "--epochs", "1"]) == 0
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        err = _one_line(capsys, [*base, "--epochs", "2", "--resume_from", "auto"])
+        assert "is not writable (Read-only file system)" in err and str(run) in err
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
