@@ -26,18 +26,30 @@ share, before it loads a byte (`integrity`).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import pickle
 import re
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+)
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ddptrain.checkpoint.common import (
@@ -60,6 +72,103 @@ _DIR = re.compile(r"^step_(\d+)$")
 _PARTIAL = re.compile(r"^\.step_(\d+)\.partial$")
 
 
+# What a `.metadata` is made of, beyond plain containers and scalars: DCP's metadata
+# classes, the storage index of the filesystem writer, tensor sizes, dtypes and layouts,
+# and the path a save was written to.
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+
+
+class ForeignMetadata(Exception):
+    """A `.metadata` names something DCP metadata is not made of."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == _METADATA_MODULE:
+            import torch.distributed.checkpoint.metadata as md
+
+            found = getattr(md, name, None)
+            if isinstance(found, type) and found.__module__ == module:
+                return found
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        elif (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise ForeignMetadata(f"{module}.{name}")
+
+
+def load_metadata(data: bytes) -> Metadata:
+    """A `.metadata`'s bytes as DCP's `Metadata`, built only from what such a file is made
+    of: `ForeignMetadata` for anything else (it could run code)."""
+    metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    if not isinstance(metadata, Metadata):
+        raise ForeignMetadata(type(metadata).__name__)
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's filesystem reader, reading `.metadata` with `load_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = load_metadata(f.read())
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading the entries saved as bytes weights-only."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(
+                self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded
+            )
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _refused(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {str(path)!r} cannot be read: its .metadata holds pickled code "
+        f"({what}), which is refused; give a directory written by ddptrain, or "
+        "--resume_from auto (which skips unusable ones)"
+    )
+
+
+def check_metadata(path: Path) -> Metadata:
+    """A step directory's `.metadata`, read with `load_metadata`; refused with one line
+    when it names anything else or cannot be read."""
+    try:
+        return SafeReader(str(path)).read_metadata()
+    except ForeignMetadata as exc:
+        raise _refused(path, str(exc)) from None
+    except Exception as exc:
+        text = str(exc).strip()
+        reason = text.splitlines()[0][:160] if text else type(exc).__name__
+        raise CheckpointError(
+            f"{str(path)!r} is not a whole DCP step directory (its .metadata cannot be "
+            f"read: {reason}): give a step_XXXXXXXXX directory of a finished save, or "
+            "--resume_from auto"
+        ) from None
+
+
 def dir_name(step: int) -> str:
     return f"step_{step:09d}"
 
@@ -75,6 +184,7 @@ def read_meta(path: Path, device: torch.device) -> dict[str, Any]:
             f"checkpoint {str(path)!r} is not a whole DCP step directory (its save did "
             "not finish): give a step_XXXXXXXXX directory, or --resume_from auto"
         )
+    check_metadata(path)  # before anything loads: a planted one is refused, not run
     return read_payload(path / META, device, verify=True)
 
 
@@ -147,11 +257,13 @@ class ShardedCheckpointer:
                 )
                 self._pending = (future, partial, final, meta, best)
             else:
-                dcp.save(
-                    state, checkpoint_id=partial, planner=planner, process_group=self.group
-                )
-        except Exception as exc:  # DCP gathers every rank's error; one line follows
-            failure = exc
+                with _one_process_quietly():
+                    dcp.save(
+                        state, checkpoint_id=partial, planner=planner,
+                        process_group=self.group,
+                    )
+        except (Exception, CheckpointException) as exc:  # every rank's error; one line follows
+            failure = dcp_cause(exc)
         self.blocking_s.append(time.perf_counter() - t0)
         if failure is not None or not self.background:
             self._commit(partial, final, meta, best, failure)
@@ -166,8 +278,8 @@ class ShardedCheckpointer:
         failure: BaseException | None = None
         try:
             future.result()
-        except Exception as exc:
-            failure = exc
+        except (Exception, CheckpointException) as exc:
+            failure = dcp_cause(exc)
         self._commit(partial, final, meta, best, failure)
 
     def close(self) -> None:
@@ -237,14 +349,40 @@ def _pointer(path: Path) -> str | None:
         return None
 
 
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """DCP without a process group (one process, on purpose), without its warning that
+    it assumes so: a run's stderr keeps to its own lines."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def dcp_cause(exc: BaseException) -> BaseException:
+    """What went wrong inside DCP: the first rank's own error that a
+    `CheckpointException` (a `BaseException`, gathered from every rank) wraps."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        first = exc.failures[min(exc.failures)]
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            return first[0]
+    return exc
+
+
 def load_sharded(path: Path, state: dict[str, Any]) -> None:
     """Collective: fill `state` (what `Strategy.sharded_state` returns) from `path`."""
     try:
-        dcp.load(state, checkpoint_id=path)
-    except Exception as exc:
-        text = str(exc).strip()
-        reason = text.splitlines()[0][:200] if text else type(exc).__name__
-        missing = re.findall(r"Missing key in checkpoint state_dict: ([\w.]+)", text)
+        with _one_process_quietly():
+            dcp.load(
+                state, checkpoint_id=path, storage_reader=SafeReader(str(path)),
+                planner=SafeLoadPlanner(),
+            )
+    except (Exception, CheckpointException) as exc:  # DCP's own derives from BaseException
+        cause = dcp_cause(exc)
+        if isinstance(cause, ForeignMetadata):
+            raise _refused(path, str(cause)) from None
+        text = str(cause).strip()
+        reason = text.splitlines()[0][:200] if text else type(cause).__name__
+        missing = re.findall(r"Missing key in checkpoint state_dict: ([\w.]+)", str(exc))
         if missing:
             reason = f"it lacks {', '.join(missing[:4])}"
         raise CheckpointError(
@@ -256,23 +394,18 @@ def load_sharded(path: Path, state: dict[str, Any]) -> None:
 def model_state_from_dir(path: Path) -> dict[str, torch.Tensor]:
     """The whole model state of a step directory, in one process (no process group):
     for `ddptrain export`, whatever world size wrote it."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception:
-        raise CheckpointError(
-            f"{str(path)!r} is not a whole DCP step directory (no readable .metadata): "
-            "give a step_XXXXXXXXX directory of a finished save"
-        ) from None
+    metadata = check_metadata(path)
     template = {
         key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
     state = {"model": template}
-    with warnings.catch_warnings():  # one process on purpose: no "assuming" warning
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+    with _one_process_quietly():
+        dcp.load(
+            state, checkpoint_id=path, no_dist=True, storage_reader=SafeReader(str(path)),
+            planner=SafeLoadPlanner(),
+        )
     return state["model"]

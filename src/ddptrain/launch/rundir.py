@@ -19,12 +19,14 @@ Without `--output_dir`, a fresh run gets its own directory `runs/<dataset>-<id>`
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
 import secrets
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -145,7 +147,7 @@ class RunLock:
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = self.path.open("a+")
+        f = self._open()
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -161,6 +163,28 @@ class RunLock:
         f.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
         f.flush()
         self._file = f
+
+    def _open(self) -> IO[str]:
+        """The lock file itself, never what a symlink in its place points to: a link or
+        anything but a regular file is refused, its target untouched."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        refused = ConfigError(
+            f"the lock file {str(self.path)!r} is a symlink or not a regular file: remove "
+            "it (ddptrain creates its own), or give another --output_dir"
+        )
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise refused from None
+            raise ConfigError(
+                f"cannot open the lock file {str(self.path)!r}: {exc.strerror}: give a "
+                "writable --output_dir"
+            ) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise refused
+        return os.fdopen(fd, "r+")
 
     def release(self) -> None:
         if self._file is not None:

@@ -1,4 +1,7 @@
 """`metrics.jsonl` and TensorBoard scalars: rank 0 writes every row the hooks see.
+
+A log that cannot be written (a read-only or full filesystem, a directory in the file's
+place) ends the run with one line naming it, not a traceback.
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from ddptrain.errors import ConfigError
 from ddptrain.files import atomic_write_text
 from ddptrain.observe.hooks import Hook
 
@@ -36,6 +40,19 @@ class MetricsWriter(Hook):
         continued log has no gap and no step twice; on a fresh start begin empty."""
         if not self.enabled:
             return
+        try:  # TensorBoard first: a refusal leaves metrics.jsonl as it was
+            self._tb = self._open_tensorboard(keep_step)
+        except OSError as exc:
+            raise unwritable(exc, self.tensorboard_dir) from None
+        try:
+            self._file = self._open_metrics(keep_step, keep_epoch)
+        except OSError as exc:
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
+            raise unwritable(exc, self.path) from None
+
+    def _open_metrics(self, keep_step: int | None, keep_epoch: int | None) -> TextIO:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[str] = []
         if keep_step is not None and self.path.exists():
@@ -52,8 +69,7 @@ class MetricsWriter(Hook):
                 if covered:
                     kept.append(line)
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
-        self._file = self.path.open("a")
-        self._tb = self._open_tensorboard(keep_step)
+        return self.path.open("a")
 
     def _open_tensorboard(self, keep_step: int | None) -> Any:
         if self.tensorboard_dir is None:
@@ -77,8 +93,11 @@ class MetricsWriter(Hook):
     def write(self, row: dict[str, Any]) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps({**row, "run_id": self.run_id}) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps({**row, "run_id": self.run_id}) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            raise unwritable(exc, self.path) from None
         if self._tb is not None:
             self._write_scalars(row)
 
@@ -115,3 +134,13 @@ class MetricsWriter(Hook):
             self._hand_over()
             self._tb.close()
             self._tb = None
+
+
+def unwritable(exc: OSError, path: Path | None) -> ConfigError:
+    """The one line for a log that cannot be written."""
+    reason = f"{exc.strerror} (errno {exc.errno})" if exc.strerror else str(exc)
+    where = path if path is not None else exc.filename
+    return ConfigError(
+        f"cannot write the run's log {str(where)!r}: {reason}: make the --output_dir "
+        "writable or give another one, then resume with --resume_from auto"
+    )
