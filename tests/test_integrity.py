@@ -79,6 +79,7 @@ def _killed_then_resumed(
     return newest, resumed.stdout + resumed.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["flip", "truncate"])
 def test_a_damaged_newest_pt_is_skipped_and_the_run_ends_bitwise_equal(
     tmp_path: Path, how: str
@@ -98,7 +99,8 @@ def test_a_damaged_newest_pt_is_skipped_and_the_run_ends_bitwise_equal(
     assert_bitwise(weights(tmp_path / "run"), weights(reference))
 
 
-@pytest.mark.parametrize("how", ["flip", pytest.param("truncate", marks=pytest.mark.heavy)])
+@pytest.mark.heavy
+@pytest.mark.parametrize("how", ["flip", "truncate"])
 def test_a_damaged_shard_of_the_newest_dcp_step_is_skipped_and_the_run_ends_bitwise_equal(
     tmp_path: Path, how: str
 ) -> None:

@@ -118,6 +118,7 @@ def _fit_report(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
     return _with_trainer(overrides, body)
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_compile_under_fsdp_compiles_each_block_and_trains_like_eager(tmp_path: Path) -> None:
     npz = write_npz(tmp_path / "d.npz", 96)

@@ -90,7 +90,8 @@ def test_hf_datasets_in_every_shape_a_factory_returns(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shards,workers", [
-    (4, 0), (3, 0), pytest.param(4, 2, marks=pytest.mark.heavy),
+    (4, 0), pytest.param(3, 0, marks=pytest.mark.heavy),
+    pytest.param(4, 2, marks=pytest.mark.heavy),
 ])
 def test_hf_iterable_dataset_on_two_ranks_reads_every_sample_once_per_epoch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shards: int, workers: int
