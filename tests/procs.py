@@ -10,12 +10,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, child_env
+from conftest import BIN, child_env, run_torchrun
 from safetensors.torch import load_file
 
 from ddptrain.checkpoint.pt import list_checkpoints
@@ -29,6 +29,23 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> No
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def sigkill_then_resume(
+    nproc: int, args: list[str], run: Path, cwd: Path, kill_at: int,
+    between: Callable[[], None] = lambda: None,
+) -> subprocess.CompletedProcess[str]:
+    """Run `args` into `run` on `nproc` ranks until rank 1 SIGKILLs itself at its
+    `kill_at`-th training forward (guardplug's GUARD_KILL_AT), call `between`, then resume
+    with `--resume_from auto`; returns the resumed run, checked to have ended with 0."""
+    job = [*args, "--output_dir", str(run)]
+    killed = run_torchrun(nproc, job, cwd=cwd, env={"GUARD_KILL_AT": str(kill_at)})
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    assert not (run / "model.safetensors").exists()
+    between()
+    resumed = run_torchrun(nproc, [*job, "--resume_from", "auto"], cwd=cwd)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return resumed
 
 
 def rows(run: Path) -> list[dict]:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from conftest import run_torchrun
 from dist_utils import run_ranks
-from procs import assert_bitwise, assert_same_log, weights
+from procs import assert_bitwise, assert_same_log, sigkill_then_resume, weights
 
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
@@ -49,13 +49,7 @@ def test_sigkill_then_resume_on_four_ranks_is_bitwise_exact(
     _ok(run_torchrun(4, [*job, "--output_dir", str(reference)], cwd=tmp_path))
     run = tmp_path / "run"
     # rank 1 dies at step 8's forward: the newest checkpoint is step 5's
-    killed = run_torchrun(4, [*job, "--output_dir", str(run)], cwd=tmp_path,
-                          env={"GUARD_KILL_AT": "8"})
-    assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-3000:]
-    assert not (run / "model.safetensors").exists()
-    resumed = run_torchrun(4, [*job, "--output_dir", str(run), "--resume_from", "auto"],
-                           cwd=tmp_path)
-    _ok(resumed)
+    resumed = sigkill_then_resume(4, job, run, tmp_path, kill_at=8)
     assert "epoch 0 done, step 5" in resumed.stdout + resumed.stderr
     assert_bitwise(weights(run), weights(reference))
     assert_same_log(run, reference)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli, run_torchrun
-from procs import assert_bitwise, assert_same_log, rows, weights
+from procs import assert_bitwise, assert_same_log, rows, sigkill_then_resume, weights
 from safetensors.torch import load_file
 
 from ddptrain.checkpoint import list_checkpoints, load_checkpoint
@@ -45,18 +45,15 @@ def test_sigkill_mid_epoch_then_resume_restores_every_ranks_rng_state(tmp_path: 
     reference = tmp_path / "reference"
     _ok(run_torchrun(2, [*RNG_JOB, "--output_dir", str(reference)], cwd=tmp_path))
     run = tmp_path / "run"
-    # rank 1 dies at step 18's forward: the newest checkpoint is step 15, in epoch 2
-    killed = run_torchrun(2, [*RNG_JOB, "--output_dir", str(run)], cwd=tmp_path,
-                          env={"GUARD_KILL_AT": "18"})
-    assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-3000:]
-    assert not (run / "model.safetensors").exists()
-    newest = load_checkpoint(list_checkpoints(run / "checkpoints")[0], CPU)
-    assert (newest["step"], newest["epoch"], newest["samples_in_epoch"]) == (15, 1, 48)
-    torch_states = [rank["torch"] for rank in newest["rng"]]
-    assert len(torch_states) == 2 and not torch.equal(*torch_states)  # each rank its own
-    resumed = run_torchrun(2, [*RNG_JOB, "--output_dir", str(run), "--resume_from", "auto"],
-                           cwd=tmp_path)
-    _ok(resumed)
+
+    def killed_at_step_18() -> None:
+        # rank 1 died at step 18's forward: the newest checkpoint is step 15, in epoch 2
+        newest = load_checkpoint(list_checkpoints(run / "checkpoints")[0], CPU)
+        assert (newest["step"], newest["epoch"], newest["samples_in_epoch"]) == (15, 1, 48)
+        torch_states = [rank["torch"] for rank in newest["rng"]]
+        assert len(torch_states) == 2 and not torch.equal(*torch_states)  # each rank its own
+
+    resumed = sigkill_then_resume(2, RNG_JOB, run, tmp_path, 18, between=killed_at_step_18)
     assert "epoch 1 done, step 15" in resumed.stdout + resumed.stderr
     assert_bitwise(weights(run), weights(reference))
     assert_same_log(run, reference)
