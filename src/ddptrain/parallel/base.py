@@ -207,10 +207,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def to_cpu(v: Any) -> Any:
-    return v.detach().cpu() if torch.is_tensor(v) else v
-
-
 def nbytes(t: torch.Tensor) -> int:
     local = local_tensor(t)
     return local.numel() * local.element_size()

@@ -18,7 +18,6 @@ from ddptrain.parallel.base import (
     init_optimizer_state,
     named_optimizer_state,
     state_bytes,
-    to_cpu,
 )
 from ddptrain.parallel.ddp import DDP
 
@@ -49,10 +48,11 @@ class Zero(DDP):
     def full_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[State, State]:
+        from ddptrain.checkpoint.integrity import to_cpu
         from ddptrain.context import gather_to_main
 
         mine = self._mine(module, optimizer)
-        cpu = {n: {k: to_cpu(v) for k, v in s.items()} for n, s in mine["state"].items()}
+        cpu = to_cpu(mine["state"])
         shards = gather_to_main(cpu, self.ctx)
         if shards is None:
             return {}, {}
