@@ -151,11 +151,11 @@ def test_interleave_puts_the_ranks_rows_back_in_order() -> None:
 
 def _two_ranks(rank: int, run: Path, out: Path) -> dict[str, Any]:
     figures = ddptrain.evaluate(run)
-    for suffix in (".npy", ".pt", ".jsonl"):
-        ddptrain.predict(run, out / f"two{suffix}", batch_size=16)
+    ddptrain.predict(run, out / "two.npy", batch_size=16)  # the order is the writers' input
     return figures
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_two_ranks_evaluate_and_predict_as_one(cls_run: Path, tmp_path: Path) -> None:
     """101 samples on 2 ranks (shards of 51 and 50): no sample twice, none left out."""
@@ -167,10 +167,13 @@ def test_two_ranks_evaluate_and_predict_as_one(cls_run: Path, tmp_path: Path) ->
     ddptrain.predict(cls_run, one, batch_size=16)
     expected = read_rows(one)
     torch.testing.assert_close(expected, by_hand(cls_run), rtol=0, atol=1e-6)
-    for suffix in (".npy", ".pt", ".jsonl"):
-        got = read_rows(tmp_path / f"two{suffix}")
-        assert got.shape == (101, 2)
-        torch.testing.assert_close(got, expected, rtol=0, atol=0)  # identical rows
+    got = read_rows(tmp_path / "two.npy")
+    assert got.shape == (101, 2)
+    # Equal to the last bits only where a row sat at the same place in a batch of the
+    # same size: a BLAS kernel rounds a row by its position in the batch.
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    nearest = torch.cdist(got, expected).argmin(1)
+    assert nearest.tolist() == list(range(101))  # each row is its own sample's
 
 
 @pytest.mark.heavy
