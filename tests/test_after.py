@@ -140,6 +140,21 @@ def test_bad_inputs_are_one_line_and_exit_2(
     assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
 
 
+def test_a_dcp_step_directory_evaluates_and_a_damaged_one_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "dcp"
+    train([*CLS, "--epochs", "1", "--checkpoint_format", "dcp", "--output_dir", str(run)])
+    (step,) = (run / "checkpoints").glob("step_*")
+    assert step.is_dir()
+    assert_same_figures(ddptrain.evaluate(step), last_val_row(run))
+    shard = next(step.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    _one_line_exit_2(["evaluate", str(step)], capsys, "damaged")
+
+
 def test_interleave_puts_the_ranks_rows_back_in_order() -> None:
     # 7 samples on 3 ranks, batch 2: round 2 holds samples 6 (rank 0) only
     shard = [torch.arange(r, 7, 3) for r in range(3)]
