@@ -111,9 +111,10 @@ def _after_args(argv: list[str], prog: str, what: str, output_help: str) -> tupl
     parser.add_argument("--split", default="val", choices=("val", "train"),
                         help="which half of the data (default: val, the run's validation set)")
     parser.add_argument("--output", type=Path, default=None, help=output_help)
-    if not argv or argv[0] in ("-h", "--help"):
-        parser.parse_args(argv or ["--help"])  # prints the help and exits, or says what's missing
-    if argv[0].startswith("-"):
+    if argv and argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return None, []
+    if not argv or argv[0].startswith("-"):
         raise ConfigError(f"give the run directory or checkpoint first: {prog} RUN|CHECKPOINT ...")
     args, rest = parser.parse_known_args(argv)
     return args, rest
@@ -126,6 +127,8 @@ def _cmd_evaluate(argv: list[str]) -> int:
         argv, "ddptrain evaluate", "The task's metrics of a trained model over a whole set.",
         "a JSON file to write the metrics to",
     )
+    if args is None:
+        return 0
     figures = evaluate(args.source, split=args.split, output=args.output, argv=rest)
     if _rank() == "0":
         text = " | ".join(f"{k} {v:.6g}" for k, v in figures.items() if k != "samples")
@@ -142,6 +145,8 @@ def _cmd_predict(argv: list[str]) -> int:
         "The model's outputs for every sample of a set, one row per sample, in order.",
         "the file to write: .npy, .pt or .jsonl (required)",
     )
+    if args is None:
+        return 0
     if args.output is None:
         raise ConfigError("predict needs --output: a .npy, .pt or .jsonl file to write")
     rows = predict(args.source, args.output, split=args.split, argv=rest)

@@ -113,7 +113,7 @@ def source_config(
     parser.set_defaults(**{k: v for k, v in source.config.items() if k in names})
     args = vars(parser.parse_args(list(argv)))
     args.pop("config", None)
-    config = dataclasses.replace(TrainingConfig(**args), **(fields or {}), **_NOT_AFTER)
+    config = dataclasses.replace(TrainingConfig(**args), **{**(fields or {}), **_NOT_AFTER})
     return config.validate()
 
 
