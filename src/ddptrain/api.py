@@ -127,10 +127,10 @@ def resolve_run(
     backend = resolve_backend(config, device) if cluster.world_size > 1 else None
     precision = resolve_precision(config, device)
     strategy = resolve_strategy(config, cluster.world_size, device, cluster.local_world_size)
-    if config.tracker == "mlflow":
-        from ddptrain.observe.trackers import require_mlflow
+    if config.tracker != "none":
+        from ddptrain.observe.trackers import require_tracker
 
-        require_mlflow()
+        require_tracker(config.tracker)
     if config.sync_bn and device.type == "cpu" and cluster.world_size > 1:
         raise ConfigError(
             "--sync_bn is invalid on CPU: SyncBatchNorm needs CUDA devices; drop the flag"
