@@ -47,6 +47,7 @@ import os
 import re
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -357,7 +358,8 @@ class WandbTracker(Hook):
         import wandb
 
         run_dir = Path(trainer.config.run_dir).resolve()
-        self.run_id = self.run_id or wandb.util.generate_id()
+        # The ddptrain run's id (kept across resumes) is the W&B run's too.
+        self.run_id = self.run_id or trainer.config.run_id or uuid.uuid4().hex[:12]
         self._run = wandb.init(
             project=self.project or os.environ.get("WANDB_PROJECT") or DEFAULT_EXPERIMENT,
             id=self.run_id, resume="allow", dir=str(run_dir),
