@@ -3,6 +3,7 @@
     ddptrain train --tracker mlflow --output_dir runs/a            # store: runs/a/mlruns
     MLFLOW_TRACKING_URI=http://mlflow:5000 ddptrain train --tracker mlflow
     MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri runs/a/mlruns   # full mlflow
+    WANDB_MODE=offline ddptrain train --tracker wandb --output_dir runs/b   # runs/b/wandb
 
     from ddptrain import fit
     fit(config, tracker="mlflow")                # or fit(config, hooks=[MLflowTracker()])
