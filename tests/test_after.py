@@ -104,6 +104,34 @@ def test_predict_writes_one_row_per_sample_in_order(cls_run: Path, tmp_path: Pat
     assert np.load(train).shape == (64, 2)
 
 
+class _Watching(torch.utils.data.Dataset):
+    """The 101 validation samples; reading the last one notes how many rows the output
+    already holds."""
+
+    def __init__(self, out: Path) -> None:
+        self.x, self.y = (t[64:] for t in samples())
+        self.out, self.rows_before_last = out, -1
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == len(self.y) - 1:
+            partial = list(self.out.parent.glob(f".{self.out.name}.*.tmp"))
+            self.rows_before_last = sum(len(p.read_text().splitlines()) for p in partial)
+        return self.x[i], self.y[i]
+
+
+def test_predict_writes_as_it_goes(cls_run: Path, tmp_path: Path) -> None:
+    """Rows reach the file a round at a time: memory holds a round, not the set."""
+    out = tmp_path / "p.jsonl"
+    watching = _Watching(out)
+    train = torch.utils.data.TensorDataset(*(t[:64] for t in samples()))
+    assert ddptrain.predict(cls_run, out, datasets=(train, watching), batch_size=16) == 101
+    assert watching.rows_before_last == 96  # 6 rounds of 16 written; the 7th being read
+    torch.testing.assert_close(read_rows(out), by_hand(cls_run), rtol=0, atol=1e-6)
+
+
 def _one_line_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str], says: str) -> None:
     capsys.readouterr()
     assert main(argv) == 2

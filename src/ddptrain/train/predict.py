@@ -240,6 +240,7 @@ class _JsonlWriter(_Writer):
         for row in rows.tolist():
             self.file.write(json.dumps({"index": self.done, "prediction": row}) + "\n")
             self.done += 1
+        self.file.flush()  # a round leaves the process as it is written
 
     def finish(self) -> None:
         if self.file is not None:
