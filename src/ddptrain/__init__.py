@@ -1,8 +1,9 @@
 """ddptrain: a distributed training pipeline, correct on N ranks.
 
-    from ddptrain import TrainingConfig, fit, Task, Hook
+    from ddptrain import TrainingConfig, fit, evaluate, predict, Task, Hook
 
-`fit` runs the whole lifecycle (see `ddptrain.api`); `Task` is the interface of a task
+`fit` runs the whole lifecycle (see `ddptrain.api`), `evaluate` and `predict` use what it
+trained; `Task` is the interface of a task
 (`ddptrain.train.tasks`), `Hook` that of a step hook (`ddptrain.observe.hooks`). They are
 imported on
 first use, so `ddptrain --help` answers without loading torch.
@@ -13,10 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "Hook", "Task", "TrainingConfig", "fit"]
+__all__ = ["ConfigError", "Hook", "Task", "TrainingConfig", "evaluate", "fit", "predict"]
 
 _EXPORTS = {
-    "fit": "ddptrain.api", "TrainingConfig": "ddptrain.config", "ConfigError": "ddptrain.errors",
+    "fit": "ddptrain.api", "evaluate": "ddptrain.api", "predict": "ddptrain.api",
+    "TrainingConfig": "ddptrain.config", "ConfigError": "ddptrain.errors",
     "Task": "ddptrain.train.tasks", "Hook": "ddptrain.observe.hooks",
 }
 

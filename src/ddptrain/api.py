@@ -127,10 +127,10 @@ def resolve_run(
     backend = resolve_backend(config, device) if cluster.world_size > 1 else None
     precision = resolve_precision(config, device)
     strategy = resolve_strategy(config, cluster.world_size, device, cluster.local_world_size)
-    if config.tracker == "mlflow":
-        from ddptrain.observe.trackers import require_mlflow
+    if config.tracker != "none":
+        from ddptrain.observe.trackers import require_tracker
 
-        require_mlflow()
+        require_tracker(config.tracker)
     if config.sync_bn and device.type == "cpu" and cluster.world_size > 1:
         raise ConfigError(
             "--sync_bn is invalid on CPU: SyncBatchNorm needs CUDA devices; drop the flag"
@@ -357,3 +357,97 @@ def _call_model_factory(factory: Callable[..., Any], config: TrainingConfig, dat
 
     facts = {**data.facts.as_kwargs(), "outputs": head_size(task, data.facts)}
     return factory(config, **accepted(factory, facts))
+
+
+# ---------------------------------------------------------------------- after training
+def evaluate(
+    source: str | Path, *, split: str = "val", output: str | Path | None = None,
+    model: Any = None, datasets: Any = None, task: Any = None, collate: Any = None,
+    argv: Sequence[str] = (), **fields: Any,
+) -> dict[str, float]:
+    """The task's figures for a trained model over every sample of a set once, the same
+    on any world size: `source` is a run directory, a checkpoint (`.pt` or a DCP step
+    directory) or a `model.safetensors` beside its `config.yaml`. The model and data are
+    rebuilt from the run's config; `argv` (`ddptrain train` flags) and then `fields`
+    override it (another `dataset`, say); `model`, `datasets`, `task` and `collate` are
+    as in `fit`. `split` picks the set's half (`val`: the run's validation set). `output`:
+    a JSON file rank 0 writes the figures to. Returns them on every rank."""
+    from ddptrain.train.inference import check_split, evaluate_set, pick_split
+
+    check_split(split)
+    def work(run: Resolved, ctx: Any, module: Any) -> dict[str, float]:
+        dataset = pick_split(run.data, split)
+        return evaluate_set(module, dataset, run.config, run.task, run.precision, ctx,
+                            run.data.collate)
+
+    figures, source_path, config, rank = _after_training(
+        source, argv, fields, model, datasets, task, collate, work, "ddptrain evaluate"
+    )
+    if output is not None and rank == 0:
+        import json
+
+        from ddptrain.files import atomic_write_text
+
+        record = {"source": str(source_path), "dataset": config.dataset, "split": split,
+                  **figures}
+        atomic_write_text(Path(output), json.dumps(record, indent=2) + "\n")
+    return figures
+
+
+def predict(
+    source: str | Path, output: str | Path, *, split: str = "val", model: Any = None,
+    datasets: Any = None, collate: Any = None, argv: Sequence[str] = (), **fields: Any,
+) -> int:
+    """Write a trained model's outputs for every sample of a set to `output` (`.npy`,
+    `.pt` or `.jsonl`), one row per sample in the set's order, on any world size (rank 0
+    writes, a round of batches at a time); the samples' targets, if any, are not used.
+    `source`, `argv`, `fields`, `model`, `datasets`, `collate` and `split` are as in
+    `evaluate`. Returns the number of rows."""
+    from ddptrain.train.inference import check_split, pick_split, refuse_streams
+    from ddptrain.train.predict import check_output, predict_set
+
+    out = Path(output)
+    check_output(out)
+    check_split(split)
+
+    def work(run: Resolved, ctx: Any, module: Any) -> int:
+        dataset = pick_split(run.data, split)
+        refuse_streams(dataset, "predict")
+        return predict_set(module, dataset, run.config, run.precision, ctx, out,
+                           run.data.collate)
+
+    rows, _, _, _ = _after_training(
+        source, argv, fields, model, datasets, None, collate, work, "ddptrain predict"
+    )
+    return int(rows)
+
+
+def _after_training(
+    source: str | Path, argv: Sequence[str], fields: dict[str, Any], model: Any,
+    datasets: Any, task: Any, collate: Any, work: Callable[[Resolved, Any, Any], Any],
+    prog: str,
+) -> tuple[Any, Path, TrainingConfig, int]:
+    """Rebuild a trained model from its run's config on every rank, load its weights,
+    call `work(run, ctx, module)` in a process group and tear the group down."""
+    from ddptrain.launch.process_group import setup_distributed, teardown_distributed
+    from ddptrain.train.inference import build_model, find_source, load_weights, source_config
+
+    if isinstance(collate, str):
+        fields, collate = {**fields, "collate": collate}, None
+    found = find_source(Path(source))
+    config = source_config(found, argv, fields, prog)
+    run = resolve_run(config, datasets, task, model, collate)
+    ctx = setup_distributed(run.config, run.cluster, run.device, run.backend)
+    clean = False
+    try:
+        factory = None
+        if model is not None and not _is_module(model):
+            factory = functools.partial(_call_model_factory, model, run.config, run.data, run.task)
+        module = build_model(run.config, run.data, run.task, ctx.device,
+                             model if _is_module(model) else factory)
+        load_weights(module, found.weights, ctx)
+        result = work(run, ctx, module)
+        clean = True
+    finally:
+        teardown_distributed(clean)
+    return result, found.weights, run.config, run.cluster.rank

@@ -1,10 +1,12 @@
-"""Command line: `ddptrain train | export | doctor | plot`.
+"""Command line: `ddptrain train | export | doctor | plot | evaluate | predict`.
 
     ddptrain train --dataset digits --epochs 3                       # one process
     torchrun --standalone --nproc_per_node=2 -m ddptrain train       # two ranks, one node
     ddptrain export runs/ddptrain/checkpoints/latest.pt model.safetensors
     torchrun --standalone --nproc_per_node=2 -m ddptrain doctor      # check the cluster
     ddptrain plot runs/a runs/b -o curves.png                        # curves, overlaid
+    ddptrain evaluate runs/ddptrain --output metrics.json            # a trained model's metrics
+    ddptrain predict runs/ddptrain --dataset digits --output p.npy   # ... and its outputs
 
 A wrong setting ends the run with one line, `ddptrain: error: ...`, and exit code 2; the
 other exit codes are listed in `ddptrain.errors`.
@@ -93,6 +95,66 @@ def _cmd_plot(argv: list[str]) -> int:
     return 0
 
 
+def _after_args(argv: list[str], prog: str, what: str, output_help: str) -> tuple[Any, list[str]]:
+    """`SOURCE [--split] [--output] [ddptrain train flags]`: the source first, then this
+    command's own flags; every other flag overrides the run's config."""
+    parser = ErrorParser(
+        prog=prog, allow_abbrev=False,
+        description=f"{what} Any `ddptrain train` flag (e.g. --dataset, --batch_size) "
+        "overrides the run's config.yaml.",
+    )
+    parser.add_argument(
+        "source", metavar="RUN|CHECKPOINT",
+        help="a run directory, a checkpoint (.pt file or DCP step directory), or a "
+        "model.safetensors beside its config.yaml",
+    )
+    parser.add_argument("--split", default="val", choices=("val", "train"),
+                        help="which half of the data (default: val, the run's validation set)")
+    parser.add_argument("--output", type=Path, default=None, help=output_help)
+    if argv and argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return None, []
+    if not argv or argv[0].startswith("-"):
+        raise ConfigError(f"give the run directory or checkpoint first: {prog} RUN|CHECKPOINT ...")
+    args, rest = parser.parse_known_args(argv)
+    return args, rest
+
+
+def _cmd_evaluate(argv: list[str]) -> int:
+    from ddptrain.api import evaluate
+
+    args, rest = _after_args(
+        argv, "ddptrain evaluate", "The task's metrics of a trained model over a whole set.",
+        "a JSON file to write the metrics to",
+    )
+    if args is None:
+        return 0
+    figures = evaluate(args.source, split=args.split, output=args.output, argv=rest)
+    if _rank() == "0":
+        text = " | ".join(f"{k} {v:.6g}" for k, v in figures.items() if k != "samples")
+        print(f"evaluate {args.source} ({args.split}, {figures.get('samples', 0)} samples): "
+              f"{text}" + (f" | wrote {args.output}" if args.output else ""), flush=True)
+    return 0
+
+
+def _cmd_predict(argv: list[str]) -> int:
+    from ddptrain.api import predict
+
+    args, rest = _after_args(
+        argv, "ddptrain predict",
+        "The model's outputs for every sample of a set, one row per sample, in order.",
+        "the file to write: .npy, .pt or .jsonl (required)",
+    )
+    if args is None:
+        return 0
+    if args.output is None:
+        raise ConfigError("predict needs --output: a .npy, .pt or .jsonl file to write")
+    rows = predict(args.source, args.output, split=args.split, argv=rest)
+    if _rank() == "0":
+        print(f"wrote {rows} rows to {args.output}", flush=True)
+    return 0
+
+
 def _cmd_doctor(argv: list[str]) -> int:
     from ddptrain.launch.doctor import main as doctor_main
 
@@ -101,6 +163,7 @@ def _cmd_doctor(argv: list[str]) -> int:
 
 COMMANDS = {
     "train": _cmd_train, "export": _cmd_export, "doctor": _cmd_doctor, "plot": _cmd_plot,
+    "evaluate": _cmd_evaluate, "predict": _cmd_predict,
 }
 
 

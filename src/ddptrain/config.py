@@ -179,9 +179,10 @@ class TrainingConfig:
     tensorboard: bool = _f(
         True, "write TensorBoard event files when the tensorboard package is installed"
     )
-    tracker: Literal["none", "mlflow"] = _f(
+    tracker: Literal["none", "mlflow", "wandb"] = _f(
         "none", "experiment tracker: mlflow logs params, metrics and artifacts to "
-        "MLFLOW_TRACKING_URI (default: a store in the run directory)",
+        "MLFLOW_TRACKING_URI (default: a store in the run directory); wandb to Weights & "
+        "Biases (files in <run_dir>/wandb; WANDB_MODE=offline works without a network)",
     )
     seed: int = _f(42, "seed of weights, data split, shuffling and workers")
     dry_run: bool = _f(False, "print the run's plan and resolved config, then exit")

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from ddptrain.checkpoint.common import CheckpointError, CheckpointWriteError
 from ddptrain.checkpoint.dcp import list_step_dirs
-from ddptrain.checkpoint.export import export_safetensors, export_safetensors_state
+from ddptrain.checkpoint.export import (
+    checkpoint_model_state,
+    export_safetensors,
+    export_safetensors_state,
+    read_safetensors_state,
+)
 from ddptrain.checkpoint.manager import Checkpointer, find_resumable, load_checkpoint, locate_resume
 from ddptrain.checkpoint.pt import BEST, LATEST, list_checkpoints, save_checkpoint
 from ddptrain.checkpoint.schema import FORMAT_VERSION, Progress
@@ -20,6 +25,7 @@ __all__ = [
     "CheckpointWriteError",
     "Checkpointer",
     "Progress",
+    "checkpoint_model_state",
     "export_safetensors",
     "export_safetensors_state",
     "find_resumable",
@@ -27,5 +33,6 @@ __all__ = [
     "list_step_dirs",
     "load_checkpoint",
     "locate_resume",
+    "read_safetensors_state",
     "save_checkpoint",
 ]

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
+from ddptrain.checkpoint.common import CheckpointError
 from ddptrain.checkpoint.manager import load_checkpoint
+from ddptrain.context import DistributedContext
 from ddptrain.files import staged
 
 
@@ -42,12 +44,44 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 def export_safetensors(checkpoint: Path, out: Path) -> int:
     """`ddptrain export`: the whole model of a checkpoint (a `.pt` file or a DCP step
     directory of any world size), for inference; a damaged checkpoint is refused."""
+    return export_safetensors_state(checkpoint_model_state(checkpoint), out)
+
+
+def checkpoint_model_state(
+    checkpoint: Path, ctx: DistributedContext | None = None
+) -> dict[str, torch.Tensor]:
+    """The whole model state of a `.pt` file or a DCP step directory, on the CPU, its
+    checksums checked first (a damaged checkpoint is refused). `ctx`: the ranks that
+    share the checking of a step directory's files (collective); None: this process."""
     if checkpoint.is_dir():
         from ddptrain.checkpoint.dcp import check_shards, model_state_from_dir
-        from ddptrain.context import DistributedContext
 
         meta = load_checkpoint(checkpoint, torch.device("cpu"))  # whole, written by ddptrain
-        check_shards(checkpoint, meta, DistributedContext(0, 0, 1, torch.device("cpu")))
-        return export_safetensors_state(model_state_from_dir(checkpoint), out)
+        check_shards(checkpoint, meta, ctx or DistributedContext(0, 0, 1, torch.device("cpu")))
+        return model_state_from_dir(checkpoint)
     payload = load_checkpoint(checkpoint, torch.device("cpu"), verify=True)
-    return export_safetensors_state(payload["model_state_dict"], out)
+    return dict(payload["model_state_dict"])
+
+
+def read_safetensors_state(path: Path) -> dict[str, torch.Tensor]:
+    """The weights of a file `export_safetensors_state` wrote, tied names restored; a
+    file that is not one is refused with one line."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+            metadata = f.metadata() or {}
+    except FileNotFoundError:
+        raise CheckpointError(f"weights file {str(path)!r} does not exist") from None
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else "unreadable"
+        raise CheckpointError(
+            f"weights file {str(path)!r} is damaged or not a safetensors file ({reason}): "
+            "export it again with `ddptrain export`, or give a checkpoint"
+        ) from None
+    for key, value in metadata.items():
+        alias = key.removeprefix("tied:")
+        if alias != key and value in state:
+            state[alias] = state[value]
+    return state

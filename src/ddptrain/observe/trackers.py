@@ -3,6 +3,7 @@
     ddptrain train --tracker mlflow --output_dir runs/a            # store: runs/a/mlruns
     MLFLOW_TRACKING_URI=http://mlflow:5000 ddptrain train --tracker mlflow
     MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri runs/a/mlruns   # full mlflow
+    WANDB_MODE=offline ddptrain train --tracker wandb --output_dir runs/b   # runs/b/wandb
 
     from ddptrain import fit
     fit(config, tracker="mlflow")                # or fit(config, hooks=[MLflowTracker()])
@@ -47,6 +48,7 @@ import os
 import re
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +69,8 @@ MISSING_MLFLOW = (
     "(mlflow-skinny is enough)"
 )
 
+MISSING_WANDB = "--tracker wandb needs the wandb package: pip install 'ddptrain[wandb]'"
+
 
 DEFAULT_EXPERIMENT = "ddptrain"
 FLUSH_EVERY_S = 10.0
@@ -81,17 +85,26 @@ _UNSAFE_NAME = re.compile(r"[^\w./\- :]")
 
 def tracker_hooks(config: TrainingConfig, ctx: DistributedContext) -> list[Hook]:
     """The hooks `--tracker` asks for (rank 0 only: one run, one writer)."""
-    if config.tracker != "mlflow":
+    if config.tracker == "none":
         return []
     # Checked on every rank, so that all of them stop together instead of the others
     # waiting for rank 0 at the first collective.
-    require_mlflow()
-    return [MLflowTracker()] if ctx.is_main else []
+    require_tracker(config.tracker)
+    if not ctx.is_main:
+        return []
+    return [MLflowTracker() if config.tracker == "mlflow" else WandbTracker()]
+
+
+def require_tracker(name: str) -> None:
+    """Raise ConfigError unless the tracker's package can be imported (without importing
+    it: that takes a second or two, and only rank 0 needs it)."""
+    if name == "mlflow":
+        require_mlflow()
+    elif name == "wandb" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(MISSING_WANDB)
 
 
 def require_mlflow() -> None:
-    """Raise ConfigError unless mlflow can be imported (without importing it: that takes
-    a second or two, and only rank 0 needs it)."""
     if importlib.util.find_spec("mlflow") is None:
         raise ConfigError(MISSING_MLFLOW)
 
@@ -318,3 +331,75 @@ def _clip(text: str, limit: int) -> str:
 def _plain(value: Any) -> Any:
     """JSON-safe copy of a summary (numpy or torch scalars become str if need be)."""
     return json.loads(json.dumps(value, default=str))
+
+
+class WandbTracker(Hook):
+    """Logs the run to Weights & Biases as `MLflowTracker` logs it to MLflow: the resolved
+    config, every row's `<split>/<field>` figures at its step, and `config.yaml`,
+    `curves.png`, `model.safetensors` and `summary.json` as one artifact (`run-files`),
+    with the summary's figures as the run's summary. Files go under `<run_dir>/wandb`
+    (`WANDB_MODE=offline` writes only there; `wandb sync` uploads them later). The project
+    is `WANDB_PROJECT`, else `ddptrain`. A resume continues the same W&B run: its id is in
+    every checkpoint (rank 0 only, like every tracker)."""
+
+    def __init__(self, project: str | None = None, run_name: str | None = None) -> None:
+        self.project, self.run_name = project, run_name
+        self.run_id: str | None = None
+        self._run: Any = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id} if self.run_id else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.run_id = state.get("run_id") or None
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        if not trainer.ctx.is_main:
+            return
+        import wandb
+
+        run_dir = Path(trainer.config.run_dir).resolve()
+        # The ddptrain run's id (kept across resumes) is the W&B run's too.
+        self.run_id = self.run_id or trainer.config.run_id or uuid.uuid4().hex[:12]
+        self._run = wandb.init(
+            project=self.project or os.environ.get("WANDB_PROJECT") or DEFAULT_EXPERIMENT,
+            id=self.run_id, resume="allow", dir=str(run_dir),
+            name=self.run_name or run_dir.name, config=trainer.config.to_dict(),
+            settings=wandb.Settings(silent=True, console="off"),
+            allow_val_change=True,
+        )
+        log.info("wandb: run %s in %s", self.run_id, run_dir / "wandb")
+
+    def on_row(self, trainer: Trainer, row: dict[str, Any]) -> None:
+        if self._run is not None:
+            self._run.log(row_metrics(row), step=int(row["step"]))
+
+    def on_fit_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+        if self._run is None:
+            return
+        import wandb
+
+        try:
+            run_dir = trainer.config.run_dir
+            files = wandb.Artifact(f"run-files-{self.run_id}", type="run-files")
+            for name in ARTIFACTS:
+                if (run_dir / name).is_file():
+                    files.add_file(str(run_dir / name), name=name)
+            self._run.log_artifact(files)
+            self._run.summary.update(
+                {k: v for k, v in _plain(summary).items() if isinstance(v, (int, float))}
+            )
+            self._run.finish(exit_code=0)
+        except Exception:  # the model is trained and saved: the tracker must not undo that
+            log.exception("wandb: could not log the artifacts of run %s", self.run_id)
+        self._run = None
+
+    def close(self) -> None:
+        """Finish a run that `on_fit_end` did not (a stop or an error) with exit code 1."""
+        if self._run is None:
+            return
+        try:
+            self._run.finish(exit_code=1)
+        except Exception as exc:  # must not hide the error that ended training
+            log.warning("wandb: could not finish run %s: %s", self.run_id, exc)
+        self._run = None

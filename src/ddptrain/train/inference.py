@@ -1,0 +1,186 @@
+"""After training: a run's model rebuilt from its config and weights, then evaluated over a
+whole set or applied to every sample of one (`ddptrain.train.predict`).
+
+    ddptrain evaluate runs/mine                                  # the run's validation set
+    torchrun --standalone --nproc_per_node=2 -m ddptrain evaluate runs/mine --dataset digits
+    ddptrain evaluate runs/mine/checkpoints/step_000000040.pt --output metrics.json
+
+What is given is a run directory (its `config.yaml`, and `model.safetensors` or else its
+newest whole checkpoint), a checkpoint (a `.pt` file or a DCP step directory, which carry
+the config they were written under) or a `.safetensors` file beside a `config.yaml`. Every
+rank rebuilds the whole model (plain, unwrapped: evaluation and prediction run no
+backward) and loads the weights after their checksums are checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset
+
+from ddptrain.checkpoint import (
+    checkpoint_model_state,
+    find_resumable,
+    load_checkpoint,
+    read_safetensors_state,
+)
+from ddptrain.checkpoint.common import check_model_state
+from ddptrain.checkpoint.dcp import is_whole
+from ddptrain.config import TrainingConfig, build_parser, load_yaml
+from ddptrain.context import DistributedContext
+from ddptrain.data import DataBundle, ModelCall, make_val_loader
+from ddptrain.errors import ConfigError
+from ddptrain.models import create_model
+from ddptrain.parallel import Strategy
+from ddptrain.train.evaluate import Evaluator
+from ddptrain.train.precision import Precision
+from ddptrain.train.tasks import Scorer, Task, head_size
+
+SPLITS = ("val", "train")
+# What a run's config may say that means nothing once it has finished: evaluation starts
+# no run of its own, resumes nothing and logs to no tracker.
+_NOT_AFTER: dict[str, Any] = {"resume_from": None, "tracker": "none", "dry_run": False}
+
+
+@dataclass(frozen=True)
+class Source:
+    """A trained model: the config it was trained under, and where its weights are."""
+
+    config: dict[str, Any]
+    weights: Path
+
+
+def find_source(path: Path) -> Source:
+    """The config and weights `path` names (a run directory, a checkpoint, a safetensors
+    file beside its `config.yaml`), or a ConfigError that says what to give instead."""
+    if not path.exists():
+        raise ConfigError(
+            f"{str(path)!r} does not exist: give a run directory, a checkpoint (.pt file or "
+            "DCP step directory) or a model.safetensors beside its config.yaml"
+        )
+    if path.is_dir() and not is_whole(path):
+        return _run_dir(path)
+    if path.suffix == ".safetensors":
+        config_file = path.parent / "config.yaml"
+        if not config_file.is_file():
+            raise ConfigError(
+                f"{str(path)!r} has no config.yaml beside it to rebuild the model from: give "
+                "the run directory, or a checkpoint (which carries its config)"
+            )
+        return Source(load_yaml(str(config_file)), path)
+    # a .pt file or a DCP step directory: the config it was written under is inside
+    payload = load_checkpoint(path, torch.device("cpu"), verify=path.is_file())
+    return Source(dict(payload.get("config") or {}), path)
+
+
+def _run_dir(path: Path) -> Source:
+    config_file = path / "config.yaml"
+    if not config_file.is_file():
+        raise ConfigError(
+            f"{str(path)!r} is neither a run directory (no config.yaml) nor a whole DCP step "
+            "directory: give the directory a run wrote, or one of its checkpoints"
+        )
+    config = load_yaml(str(config_file))
+    weights = path / "model.safetensors"
+    if weights.is_file():
+        return Source(config, weights)
+    ckpt_dir = path / "checkpoints"
+    if config.get("checkpoint_dir"):
+        ckpt_dir = Path(config["checkpoint_dir"])
+    found = find_resumable(ckpt_dir, torch.device("cpu"), verify=True)
+    if found is None:
+        raise ConfigError(
+            f"run directory {str(path)!r} holds no model.safetensors and no whole checkpoint "
+            f"in {str(ckpt_dir)!r}: train it first, or give a checkpoint"
+        )
+    return Source(config, found[0])
+
+
+def source_config(
+    source: Source, argv: Sequence[str] = (), fields: Mapping[str, Any] | None = None,
+    prog: str = "ddptrain evaluate",
+) -> TrainingConfig:
+    """The run's config with `argv` (any `ddptrain train` flag) and then `fields` over
+    it, validated; what only a training run means (resuming, a tracker) is dropped."""
+    names = {f.name for f in dataclasses.fields(TrainingConfig)}
+    parser = build_parser(prog)
+    parser.set_defaults(**{k: v for k, v in source.config.items() if k in names})
+    args = vars(parser.parse_args(list(argv)))
+    args.pop("config", None)
+    config = dataclasses.replace(TrainingConfig(**args), **{**(fields or {}), **_NOT_AFTER})
+    return config.validate()
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ConfigError(f"--split {split!r} is invalid: choose {' or '.join(SPLITS)}")
+
+
+def pick_split(data: DataBundle, split: str) -> Dataset:
+    """The half of the data `split` names: for a dataset ddptrain splits, the seeded
+    split of training (`--val_fraction`, `--seed`)."""
+    check_split(split)
+    return data.val if split == "val" else data.train
+
+
+def build_model(
+    config: TrainingConfig, data: DataBundle, task: Task, device: torch.device,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+) -> nn.Module:
+    """The model as the run built it (`--model`, or the given module or factory), on
+    `device`, before its weights are loaded."""
+    torch.manual_seed(config.seed)
+    if isinstance(model, nn.Module):
+        built = model
+    elif model is not None:
+        built = model()
+    else:
+        built = create_model(config, data, head_size(task, data.facts), device)
+    built = built.to(device)
+    if config.channels_last:
+        built = built.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    return built
+
+
+def load_weights(module: nn.Module, weights: Path, ctx: DistributedContext) -> None:
+    """Fill `module` with the weights of `weights` (checksums checked first; collective
+    for a DCP step directory, whose files the ranks check a share each), refusing any
+    that do not fit it."""
+    if weights.suffix == ".safetensors":
+        state = read_safetensors_state(weights)
+    else:
+        state = checkpoint_model_state(weights, ctx)
+    check_model_state(module, state, weights)
+    module.load_state_dict(state)
+
+
+def evaluate_set(
+    module: nn.Module, dataset: Dataset, config: TrainingConfig, task: Task,
+    precision: Precision, ctx: DistributedContext,
+    collate: Callable[[list[Any]], Any] | None = None,
+) -> dict[str, float]:
+    """The task's figures over every sample of `dataset` once, on any world size (the
+    validation pass of training, on the plain module). Collective."""
+    loader = make_val_loader(dataset, config, ctx, collate)
+    memory_format = torch.channels_last if config.channels_last else None
+    evaluator = Evaluator(
+        module, ModelCall(module), Scorer(task, ctx.device), precision, Strategy(ctx, config),
+        ctx, loader, memory_format,
+    )
+    figures = evaluator.run(None)
+    module.eval()
+    return figures
+
+
+def refuse_streams(dataset: Dataset, what: str) -> None:
+    if isinstance(dataset, IterableDataset):
+        raise ConfigError(
+            f"{what} needs a map-style dataset (with __len__ and indexing) to keep its "
+            "order: give one, or predict over the stream in your own loop"
+        )

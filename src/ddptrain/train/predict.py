@@ -1,0 +1,253 @@
+"""Prediction: the model's output for every sample of a set, one row per sample, in the
+set's order, on any world size.
+
+    ddptrain predict runs/mine --dataset digits --output predictions.npy
+    torchrun --standalone --nproc_per_node=2 -m ddptrain predict runs/mine \\
+        --dataset digits --split train --output predictions.jsonl
+
+Rank r predicts samples r, r+N, ... (the evaluation shard, no padding: a sample is
+predicted once), a batch at a time. After each round of batches the rows are gathered on
+rank 0, which interleaves them back into the set's order and appends them to the output:
+memory holds one round, whatever the size of the set. The output appears whole or not at
+all (a temporary name, renamed once every row is in).
+
+| suffix | what |
+| --- | --- |
+| `.npy` | one array `(N, *row)`, written into a memory map as rows arrive |
+| `.pt` | the same array as one tensor (`torch.load(path)`), saved from that memory map |
+| `.jsonl` | one line per sample: `{"index": i, "prediction": [...]}` (rows of any shape) |
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext, gather_to_main
+from ddptrain.data import ModelCall, make_val_loader, split, to_device
+from ddptrain.errors import ConfigError
+from ddptrain.files import fsync_dir, temp_name
+from ddptrain.train.precision import Precision
+
+SUFFIXES = (".npy", ".pt", ".jsonl")
+
+
+def check_output(path: Path) -> None:
+    """Refuse an output the writers cannot make, before any work starts."""
+    if path.suffix not in SUFFIXES:
+        raise ConfigError(
+            f"--output {str(path)!r} has an unknown suffix: end it in "
+            f"{', '.join(SUFFIXES)}"
+        )
+    if path.is_dir():
+        raise ConfigError(f"--output {str(path)!r} is a directory: give a file name")
+
+
+@torch.no_grad()
+def predict_set(
+    module: nn.Module, dataset: Dataset, config: TrainingConfig, precision: Precision,
+    ctx: DistributedContext, output: Path, collate: Callable[[list[Any]], Any] | None = None,
+) -> int:
+    """Write the model's output for every sample of `dataset` to `output` (rank 0), in
+    the dataset's order; returns the number of rows. Collective."""
+    n = len(dataset)  # type: ignore[arg-type]
+    if n == 0:
+        raise ConfigError(f"--dataset {config.dataset!r} holds no samples to predict")
+    loader = iter(make_val_loader(dataset, config, ctx, collate))
+    memory_format = torch.channels_last if config.channels_last else None
+    call = ModelCall(module)
+    module.eval()
+    # Rank 0's shard is the longest (ceil(n / N) samples): every rank runs its rounds.
+    rounds = math.ceil(math.ceil(n / ctx.world_size) / config.batch_size)
+    sink = _writer(output, n) if ctx.is_main else None
+    failure: str | None = None
+    try:
+        for _ in range(rounds):
+            batch = next(loader, None)
+            rows = None
+            if batch is not None:
+                inputs = model_inputs(to_device(batch, ctx.device, memory_format))
+                with precision.autocast():
+                    out = call(module, inputs)
+                rows = _rows(out.prediction)
+            gathered = gather_to_main(rows, ctx)
+            if sink is not None and failure is None and gathered is not None:
+                try:
+                    sink.write(interleave(gathered))
+                except (OSError, ConfigError) as exc:
+                    failure = _why(exc, output)  # the peers keep gathering: no one hangs
+        failure = _agree(failure, ctx)
+        if failure is None and sink is not None:
+            try:
+                sink.close()
+            except OSError as exc:  # every peer is done: rank 0 alone reports it
+                raise ConfigError(_why(exc, output)) from None
+    finally:
+        if sink is not None:
+            sink.abort()
+    if failure is not None:
+        raise ConfigError(failure)
+    return n
+
+
+def model_inputs(batch: Any) -> Any:
+    """A batch's model inputs: targets, if the samples carry any, are left out (a dict
+    keeps them: `ModelCall` passes `labels` only to a model that asks for them)."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, (list, tuple)) and len(batch) == 1:
+        return batch[0]
+    return batch if isinstance(batch, Mapping) else split(batch)[0]
+
+
+def _rows(prediction: torch.Tensor | None) -> torch.Tensor:
+    if prediction is None:
+        raise ConfigError(
+            "the model returned a loss but no predictions ('logits'): predict needs a model "
+            "that returns its outputs"
+        )
+    rows = prediction.detach()
+    return (rows.float() if rows.is_floating_point() else rows).cpu()
+
+
+def interleave(parts: list[torch.Tensor | None]) -> torch.Tensor:
+    """Rows of one round, back in the set's order: rank r's j-th row is sample
+    (start + j) * N + r. A rank's batch is never shorter than a later rank's by more
+    than the one sample its shard lacks, so the order is that of the ranks, row by row."""
+    shards = [p for p in parts if p is not None]
+    even = min(len(p) for p in shards)
+    rows = [torch.stack([p[:even] for p in shards], 1).flatten(0, 1)]
+    for j in range(even, max(len(p) for p in shards)):
+        rows.extend(p[j : j + 1] for p in shards if len(p) > j)
+    return torch.cat(rows)
+
+
+def _agree(failure: str | None, ctx: DistributedContext) -> str | None:
+    """Every rank learns whether rank 0 could write the rows."""
+    if not ctx.distributed:
+        return failure
+    message = [failure]
+    dist.broadcast_object_list(message, src=0)
+    return message[0]
+
+
+def _why(exc: BaseException, output: Path) -> str:
+    if isinstance(exc, OSError):
+        return (
+            f"could not write {str(output)!r}: {exc.strerror or exc} "
+            "(nothing was left there): free space or give another --output"
+        )
+    return str(exc)
+
+
+class _Writer:
+    """Rows appended to a temporary file beside `path`, renamed to it by `close`."""
+
+    def __init__(self, path: Path, n: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.n, self.tmp, self.done = path, n, temp_name(path), 0
+
+    def write(self, rows: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Flush what is written into the temporary file."""
+
+    def close(self) -> None:
+        if self.done != self.n:
+            raise RuntimeError(f"wrote {self.done} of {self.n} rows")
+        self.finish()
+        with self.tmp.open("rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(self.tmp, self.path)
+        fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        self.finish()
+        self.tmp.unlink(missing_ok=True)
+
+
+class _NpyWriter(_Writer):
+    """An `(N, *row)` array in a memory-mapped `.npy` file, filled as rows arrive."""
+
+    def __init__(self, path: Path, n: int) -> None:
+        super().__init__(path, n)
+        self.array: np.memmap | None = None
+
+    def write(self, rows: torch.Tensor) -> None:
+        if self.array is None:
+            self.array = np.lib.format.open_memmap(
+                self.tmp, mode="w+", dtype=rows.numpy().dtype, shape=(self.n, *rows.shape[1:])
+            )
+        if tuple(rows.shape[1:]) != self.array.shape[1:]:
+            raise ConfigError(
+                f"the model's outputs change shape from {tuple(self.array.shape[1:])} to "
+                f"{tuple(rows.shape[1:])} between batches: write --output as .jsonl"
+            )
+        self.array[self.done : self.done + len(rows)] = rows.numpy()
+        self.done += len(rows)
+
+    def finish(self) -> None:
+        if self.array is not None:
+            self.array.flush()
+            self.array = None
+
+
+class _PtWriter(_NpyWriter):
+    """The `.npy` memory map, saved as one tensor: `torch.save` reads it from the map."""
+
+    def __init__(self, path: Path, n: int) -> None:
+        super().__init__(path, n)
+        self.rows_file = self.tmp.with_name(self.tmp.name + ".npy")
+        self.tmp, self.pt_tmp = self.rows_file, self.tmp
+
+    def close(self) -> None:
+        if self.done != self.n:
+            raise RuntimeError(f"wrote {self.done} of {self.n} rows")
+        self.finish()
+        rows = torch.from_numpy(np.load(self.rows_file, mmap_mode="r+"))
+        torch.save(rows, self.pt_tmp)
+        del rows
+        self.rows_file.unlink()
+        self.tmp = self.pt_tmp
+        super().close()
+
+    def abort(self) -> None:
+        super().abort()
+        self.pt_tmp.unlink(missing_ok=True)
+
+
+class _JsonlWriter(_Writer):
+    """One JSON line per sample, its index and its output (rows of any shape)."""
+
+    def __init__(self, path: Path, n: int) -> None:
+        super().__init__(path, n)
+        self.file: TextIO | None = self.tmp.open("w")
+
+    def write(self, rows: torch.Tensor) -> None:
+        assert self.file is not None
+        for row in rows.tolist():
+            self.file.write(json.dumps({"index": self.done, "prediction": row}) + "\n")
+            self.done += 1
+        self.file.flush()  # a round leaves the process as it is written
+
+    def finish(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def _writer(path: Path, n: int) -> _Writer:
+    kinds = {".npy": _NpyWriter, ".pt": _PtWriter, ".jsonl": _JsonlWriter}
+    return kinds[path.suffix](path, n)

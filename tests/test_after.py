@@ -1,0 +1,235 @@
+"""`ddptrain evaluate` and `ddptrain predict`: a trained run's model rebuilt from its config
+and weights, its metrics over a whole set and its outputs per sample, on 1 and 2 ranks.
+
+Runs train in this process (the public CLI) into tmp directories; 2-rank checks run the
+public API on real gloo ranks (`run_ranks`) and the CLI under torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from afterplug import net, samples
+from conftest import run_torchrun
+from dist_utils import run_ranks
+from safetensors.torch import load_file
+
+import ddptrain
+from ddptrain.cli import main
+from ddptrain.train.predict import interleave
+
+CLS = ["--dataset", "afterplug:pair", "--model", "afterplug:net", "--batch_size", "16",
+       "--epochs", "2", "--lr", "0.1", "--no-tensorboard"]
+LM = ["--dataset", "chars", "--block_size", "16", "--width", "16", "--batch_size", "128",
+      "--val_fraction", "0.1", "--optimizer", "adamw", "--lr", "0.01", "--epochs", "1",
+      "--no-tensorboard"]
+
+
+def last_val_row(run: Path) -> dict[str, Any]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == "val"][-1]
+
+
+def assert_same_figures(figures: dict[str, float], row: dict[str, Any]) -> None:
+    assert figures["samples"] == row["samples"]
+    names = [k for k, v in figures.items() if k != "samples" and isinstance(v, float)]
+    assert "loss" in names and len(names) >= 2
+    for name in names:
+        assert abs(figures[name] - row[name]) <= 1e-6 * max(1.0, abs(row[name])), name
+
+
+def train(argv: list[str]) -> None:
+    """Train in this process; curves.png is left out (drawing it costs seconds here)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("ddptrain.observe.plot.matplotlib_available", lambda: False)
+        assert main(["train", *argv]) == 0
+
+
+@pytest.fixture(scope="module")
+def cls_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("after") / "cls"
+    train([*CLS, "--output_dir", str(run)])
+    return run
+
+
+def by_hand(run: Path) -> torch.Tensor:
+    """The exported weights in a model built here, applied to the 101 validation inputs."""
+    model = net(None, outputs=2)  # type: ignore[arg-type]
+    model.load_state_dict(load_file(run / "model.safetensors"))
+    with torch.no_grad():
+        return model(samples()[0][64:])
+
+
+def read_rows(path: Path) -> torch.Tensor:
+    if path.suffix == ".npy":
+        return torch.from_numpy(np.load(path))
+    if path.suffix == ".pt":
+        return torch.load(path, weights_only=True)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["index"] for line in lines] == list(range(len(lines)))
+    return torch.tensor([line["prediction"] for line in lines])
+
+
+def test_evaluate_equals_the_runs_last_validation_row(cls_run: Path, tmp_path: Path) -> None:
+    row = last_val_row(cls_run)
+    assert_same_figures(ddptrain.evaluate(cls_run), row)  # model.safetensors
+    latest = cls_run / "checkpoints" / "latest.pt"
+    assert_same_figures(ddptrain.evaluate(latest), row)  # the .pt carries its config
+    out = tmp_path / "metrics.json"
+    assert main(["evaluate", str(cls_run), "--batch_size", "7", "--output", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["split"] == "val" and written["source"].endswith("model.safetensors")
+    assert_same_figures(written, row)
+    # another set: the train half, which the run's last row does not describe
+    train = ddptrain.evaluate(cls_run, split="train")
+    assert train["samples"] == 64 and train["loss"] != row["loss"]
+
+
+def test_predict_writes_one_row_per_sample_in_order(cls_run: Path, tmp_path: Path) -> None:
+    expected = by_hand(cls_run)
+    for suffix in (".npy", ".pt", ".jsonl"):
+        out = tmp_path / f"p{suffix}"
+        assert ddptrain.predict(cls_run, out, batch_size=16) == 101
+        got = read_rows(out)
+        assert got.shape == (101, 2)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl", "p.npy", "p.pt"]
+    train = tmp_path / "train.npy"
+    assert main(["predict", str(cls_run), "--split", "train", "--output", str(train)]) == 0
+    assert np.load(train).shape == (64, 2)
+
+
+class _Watching(torch.utils.data.Dataset):
+    """The 101 validation samples; reading the last one notes how many rows the output
+    already holds."""
+
+    def __init__(self, out: Path) -> None:
+        self.x, self.y = (t[64:] for t in samples())
+        self.out, self.rows_before_last = out, -1
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == len(self.y) - 1:
+            partial = list(self.out.parent.glob(f".{self.out.name}.*.tmp"))
+            self.rows_before_last = sum(len(p.read_text().splitlines()) for p in partial)
+        return self.x[i], self.y[i]
+
+
+def test_predict_writes_as_it_goes(cls_run: Path, tmp_path: Path) -> None:
+    """Rows reach the file a round at a time: memory holds a round, not the set."""
+    out = tmp_path / "p.jsonl"
+    watching = _Watching(out)
+    train = torch.utils.data.TensorDataset(*(t[:64] for t in samples()))
+    assert ddptrain.predict(cls_run, out, datasets=(train, watching), batch_size=16) == 101
+    assert watching.rows_before_last == 96  # 6 rounds of 16 written; the 7th being read
+    torch.testing.assert_close(read_rows(out), by_hand(cls_run), rtol=0, atol=1e-6)
+
+
+def _one_line_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str], says: str) -> None:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ddptrain: error: ") and says in err, err
+
+
+def test_bad_inputs_are_one_line_and_exit_2(
+    cls_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "p.npy"
+    _one_line_exit_2(["evaluate", str(tmp_path / "nowhere")], capsys, "does not exist")
+    _one_line_exit_2(["predict", str(cls_run), "--output", str(tmp_path / "p.csv")], capsys,
+                     "unknown suffix")
+    _one_line_exit_2(["predict", str(cls_run)], capsys, "--output")
+    _one_line_exit_2(["evaluate", str(tmp_path)], capsys, "no config.yaml")
+    # a damaged checkpoint: bytes flipped inside its tensor data
+    step = sorted((cls_run / "checkpoints").glob("step_*.pt"))[-1]
+    broken = tmp_path / "broken.pt"
+    data = bytearray(step.read_bytes())
+    weight = load_file(cls_run / "model.safetensors")["0.weight"].numpy().tobytes()
+    at = bytes(data).find(weight[:16])
+    assert at > 0
+    data[at : at + 8] = bytes(8)
+    broken.write_bytes(bytes(data))
+    _one_line_exit_2(["predict", str(broken), "--output", str(out)], capsys, "damaged")
+    # a damaged export: the safetensors header cut
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_bytes((cls_run / "config.yaml").read_bytes())
+    (run / "model.safetensors").write_bytes((cls_run / "model.safetensors").read_bytes()[:20])
+    _one_line_exit_2(["evaluate", str(run)], capsys, "damaged")
+    _one_line_exit_2(["evaluate", str(cls_run), "--width", "0"], capsys, "--width 0")
+    assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
+
+
+def test_a_dcp_step_directory_evaluates_and_a_damaged_one_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "dcp"
+    train([*CLS, "--epochs", "1", "--checkpoint_format", "dcp", "--output_dir", str(run)])
+    (step,) = (run / "checkpoints").glob("step_*")
+    assert step.is_dir()
+    assert_same_figures(ddptrain.evaluate(step), last_val_row(run))
+    shard = next(step.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    _one_line_exit_2(["evaluate", str(step)], capsys, "damaged")
+
+
+def test_interleave_puts_the_ranks_rows_back_in_order() -> None:
+    # 7 samples on 3 ranks, batch 2: round 2 holds samples 6 (rank 0) only
+    shard = [torch.arange(r, 7, 3) for r in range(3)]
+    first = interleave([s[:2] for s in shard])
+    second = interleave([s[2:] if len(s) > 2 else None for s in shard])
+    assert torch.cat([first, second]).tolist() == list(range(7))
+    assert interleave([torch.tensor([0, 2]), torch.tensor([1])]).tolist() == [0, 1, 2]
+
+
+def _two_ranks(rank: int, run: Path, out: Path) -> dict[str, Any]:
+    figures = ddptrain.evaluate(run)
+    ddptrain.predict(run, out / "two.npy", batch_size=16)  # the order is the writers' input
+    return figures
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_two_ranks_evaluate_and_predict_as_one(cls_run: Path, tmp_path: Path) -> None:
+    """101 samples on 2 ranks (shards of 51 and 50): no sample twice, none left out."""
+    figures = run_ranks(_two_ranks, 2, tmp_path, cls_run, tmp_path)
+    row = last_val_row(cls_run)
+    for rank_figures in figures:
+        assert_same_figures(rank_figures, row)
+    one = tmp_path / "one.npy"
+    ddptrain.predict(cls_run, one, batch_size=16)
+    expected = read_rows(one)
+    torch.testing.assert_close(expected, by_hand(cls_run), rtol=0, atol=1e-6)
+    got = read_rows(tmp_path / "two.npy")
+    assert got.shape == (101, 2)
+    # Equal to the last bits only where a row sat at the same place in a batch of the
+    # same size: a BLAS kernel rounds a row by its position in the batch.
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    nearest = torch.cdist(got, expected).argmin(1)
+    assert nearest.tolist() == list(range(101))  # each row is its own sample's
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_lm_evaluate_on_one_and_two_ranks_equals_the_last_row(tmp_path: Path) -> None:
+    """The built-in GPT on chars: perplexity and token accuracy from token-weighted sums."""
+    run = tmp_path / "lm"
+    train([*LM, "--output_dir", str(run)])
+    row = last_val_row(run)
+    assert_same_figures(ddptrain.evaluate(run), row)
+    out = tmp_path / "m.json"
+    done = run_torchrun(2, ["evaluate", str(run), "--output", str(out)], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert "perplexity" in figures
+    assert_same_figures(figures, row)
