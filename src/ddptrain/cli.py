@@ -23,7 +23,13 @@ from typing import Any
 from ddptrain import __version__
 from ddptrain.api import fit
 from ddptrain.config import ErrorParser, TrainingConfig, parse_config
-from ddptrain.errors import EXIT_PEER_LOST, EXIT_USAGE, ConfigError, TrainingStopped
+from ddptrain.errors import (
+    EXIT_PEER_LOST,
+    EXIT_USAGE,
+    EXIT_WORKER_LOST,
+    ConfigError,
+    TrainingStopped,
+)
 
 
 def train(config: TrainingConfig) -> dict[str, Any] | None:
@@ -175,8 +181,54 @@ def _first_line(exc: BaseException) -> str:
     return text.split(". This is typically")[0][:200]
 
 
+def _data_worker(exc: BaseException) -> tuple[str, int] | None:
+    """A DataLoader worker that died, or that raised something not ddptrain's own (a
+    stream's `__iter__`, a user's collate), as (the line, the exit code); None otherwise."""
+    text = str(exc)
+    died = _WORKER_DIED.search(text)
+    if isinstance(exc, RuntimeError) and died:
+        how = f"was killed by signal {died.group(2)}" if died.group(2) else "exited unexpectedly"
+        return (
+            f"DataLoader worker (pid {died.group(1)}) {how}: the out-of-memory killer or a "
+            "kill; lower --num_workers or the memory each worker holds (dmesg tells an OOM "
+            "kill), then resume with --resume_from auto", EXIT_WORKER_LOST,
+        )
+    caught = _WORKER_RAISED.match(text)
+    if caught:
+        last = text.rstrip().splitlines()[-1][:200]
+        return (
+            f"DataLoader worker {caught.group(2)} failed: {last}: fix the dataset or "
+            "--collate, then resume with --resume_from auto", EXIT_USAGE,
+        )
+    return None
+
+
+_WORKER_DIED = re.compile(
+    r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) (?:is killed by signal: (\w+)|exited)"
+)
+_WORKER_RAISED = re.compile(r"Caught (\w+) in DataLoader worker process (\d+)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run a command; a run that fails leaves no DataLoader worker behind."""
+    from_command = False
+    try:
+        code = _main(sys.argv[1:] if argv is None else argv)
+        from_command = True
+    finally:
+        if not from_command or code:
+            _end_workers()
+    return code
+
+
+def _end_workers() -> None:
+    if "torch" in sys.modules:  # only a run that started one can have a worker
+        from ddptrain.data.loader import end_worker_processes
+
+        end_worker_processes()
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(
             f"usage: ddptrain {{{','.join(COMMANDS)}}} [options]   (ddptrain CMD --help)\n\n"
@@ -205,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         if unused is not None:
             _report(f"error: {unused}")
             return EXIT_USAGE
+        worker = _data_worker(exc)
+        if worker is not None:
+            _report(f"error: {worker[0]}")
+            _note_exit(worker[1])
+            return worker[1]
         if not _lost_peer(exc):
             raise
         _report(
