@@ -48,3 +48,12 @@ class _Samples(Dataset):
 
 def samples(config: Any) -> Dataset:
     return _Samples()
+
+
+def slow(config: Any) -> Dataset:
+    """Takes two minutes to load, after writing HANG_STARTED/loading."""
+    import time
+
+    (Path(os.environ["HANG_STARTED"]) / "loading").touch()
+    time.sleep(120)
+    return _Samples()

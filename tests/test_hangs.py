@@ -20,7 +20,13 @@ from dist_utils import free_port
 from procs import popen, reap  # noqa: F401  (reap: an autouse fixture)
 
 from ddptrain.cli import main
-from ddptrain.errors import EXIT_PEER_LOST, EXIT_USAGE, EXIT_WORKER_LOST
+from ddptrain.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_PEER_LOST,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    EXIT_WORKER_LOST,
+)
 
 TIMEOUT_S = 20
 MARGIN_S = 15
@@ -139,3 +145,40 @@ def test_a_sample_that_raises_without_workers_is_one_line(
         f"row {BAD} has a truncated record: fix or remove that sample, then resume with "
         "--resume_from auto"
     ), err
+
+
+# ---------------------------------------------------------------------- start-up signals
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, phase", [
+    pytest.param(signal.SIGTERM, "data", id="SIGTERM-data"),
+    pytest.param(signal.SIGINT, "group", id="SIGINT-group"),
+])
+def test_a_signal_during_start_up_is_one_line_and_its_code(
+    tmp_path: Path, sig: signal.Signals, phase: str
+) -> None:
+    """While the data loads (Python: the handler raises) or while rank 0 waits in the
+    process group's rendezvous for a peer that never comes (C++: a thread ends it)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    run = tmp_path / "run"
+    args = ["train", "--dataset", "hangplug:slow" if phase == "data" else "hangplug:samples",
+            "--timeout_s", "120", "--output_dir", str(run)]
+    env = {"HANG_STARTED": str(marks)}
+    if phase == "group":
+        env.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    proc = popen([sys.executable, "-m", "ddptrain", *args], tmp_path, child_env(env))
+    _wait_for(marks / "loading" if phase == "data" else run / ".lock", [proc])
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 10
+    code = EXIT_PREEMPTED if sig == signal.SIGTERM else EXIT_INTERRUPTED
+    assert proc.returncode == code, err[-3000:]
+    assert err.strip() == (
+        f"ddptrain: stopped: stopped by {sig.name} outside the training loop (while the run "
+        "started or after it trained): nothing was left half-written; run the same command "
+        "with --resume_from auto to go on (a run that had not trained starts afresh)"
+    ), err
+    assert not (run / "config.yaml").exists() and not (run / ".job").exists()

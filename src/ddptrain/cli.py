@@ -12,7 +12,6 @@ other exit codes are listed in `ddptrain.errors`.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import re
@@ -24,6 +23,7 @@ from ddptrain import __version__
 from ddptrain.api import fit
 from ddptrain.config import ErrorParser, TrainingConfig, parse_config
 from ddptrain.errors import (
+    EXIT_INTERRUPTED,
     EXIT_PEER_LOST,
     EXIT_USAGE,
     EXIT_WORKER_LOST,
@@ -56,6 +56,13 @@ def _print_summary(config: TrainingConfig, summary: dict[str, Any]) -> None:
 
 
 def _cmd_train(argv: list[str]) -> int:
+    from ddptrain.launch.signals import stop_at_once_on_signals
+
+    with stop_at_once_on_signals():  # but in the training loop, which agrees on a stop
+        return _train(argv)
+
+
+def _train(argv: list[str]) -> int:
     config = parse_config(argv)
     # torch and the trainer's modules are hundreds of thousands of objects that live as
     # long as the process: frozen, the cyclic collector never walks them again (each full
@@ -271,18 +278,17 @@ def _main(argv: list[str]) -> int:
         )
         _note_exit(EXIT_PEER_LOST)
         return EXIT_PEER_LOST
-    except KeyboardInterrupt:
-        _report("interrupted")
-        return 130
+    except KeyboardInterrupt as exc:
+        code = getattr(exc, "exit_code", EXIT_INTERRUPTED)  # a signal outside training
+        _report(f"stopped: {exc}" if str(exc) else "interrupted")
+        _note_exit(code)
+        return code
 
 
 def _note_exit(code: int) -> None:
-    """Tell a wrapping launcher why the workers stopped: torchrun itself reports any
-    worker's non-zero exit as 1, so `scripts/launch.sh` reads the code from this file."""
-    path = os.environ.get("DDPTRAIN_EXIT_FILE")
-    if path and _rank() == "0":
-        with contextlib.suppress(OSError):
-            Path(path).write_text(f"{code}\n")
+    from ddptrain.launch.signals import note_exit
+
+    note_exit(code, int(_rank()) if _rank().isdigit() else -1)
 
 
 def _rank() -> str:
