@@ -100,6 +100,8 @@ def test_a_dcp_checkpoint_of_another_width_is_one_line(
     assert "CheckpointException" not in err
 
 
+# TensorBoard's writer thread must not print its own traceback over ddptrain's line
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_run_logs_that_cannot_be_written_are_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

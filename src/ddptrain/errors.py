@@ -7,8 +7,8 @@ code each way gets.
 | 3 | lost contact with the other ranks (a peer died or hung past --timeout_s; NCCL aborted) |
 | 4 | training diverged: --max_bad_steps optimizer steps in a row had non-finite gradients |
 | 71 | a DataLoader worker died (killed by a signal: the out-of-memory killer, a kill) |
-| 74 | a checkpoint could not be written (disk full, I/O error); the previous one is intact |
-| 75 | stopped by SIGTERM after writing a checkpoint: resume with --resume_from auto |
+| 74 | a checkpoint, or mid-run the run's log, could not be written; the last checkpoint is intact |
+| 75 | stopped by SIGTERM after writing a checkpoint (at start-up: at once); resume with auto |
 | 130 | stopped by SIGINT (Ctrl-C) after writing a checkpoint |
 """
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +38,14 @@ class StoppedOutsideTraining(KeyboardInterrupt):
         )
 
 
+RETRY_S = 0.5
+
+
+def _again(signum: int, handler: Any) -> None:
+    if signal.getsignal(signum) is handler:
+        os.kill(os.getpid(), signum)
+
+
 @contextlib.contextmanager
 def stop_at_once_on_signals() -> Iterator[None]:
     """Inside this block, but outside the training loop (which takes them over and gives
@@ -46,7 +55,14 @@ def stop_at_once_on_signals() -> Iterator[None]:
         return
 
     def handler(signum: int, frame: Any) -> None:
-        raise StoppedOutsideTraining(signum)
+        if sys.exc_info()[0] is None:
+            raise StoppedOutsideTraining(signum)
+        # Code handling an exception (a run ending on an error, which torchrun answers by
+        # stopping the other workers; an import trying a fallback) is not cut short: the
+        # signal comes again in a moment, while these handlers are still in place.
+        timer = threading.Timer(RETRY_S, _again, (signum, handler))
+        timer.daemon = True
+        timer.start()
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
