@@ -179,7 +179,7 @@ def test_a_log_that_fails_mid_run_stops_every_rank_with_exit_74(tmp_path: Path) 
     try:
         run, ckpt = mount / "run", tmp_path / "ckpt"
         args = ["train", "--dataset", "digits", "--model", "mlp", "--batch_size", "4",
-                "--epochs", "2", "--log_interval", "1", "--save_every_steps", "20",
+                "--width", "16", "--epochs", "1", "--log_interval", "1", "--save_every_steps", "20",
                 "--timeout_s", "20", "--output_dir", str(run), "--checkpoint_dir", str(ckpt)]
         port = str(free_port())
         ranks = [popen([sys.executable, "-m", "ddptrain", *args], tmp_path, child_env({

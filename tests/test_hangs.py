@@ -101,6 +101,7 @@ def _check(how: str, procs: list[subprocess.Popen[str]], errs: list[str], what: 
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("how", ["torchrun", "srun"])
 def test_a_sample_that_raises_in_a_worker_ends_every_process(tmp_path: Path, how: str) -> None:
     marks = tmp_path / "marks"
@@ -114,6 +115,7 @@ def test_a_sample_that_raises_in_a_worker_ends_every_process(tmp_path: Path, how
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("how", ["torchrun", "srun"])
 def test_a_killed_worker_ends_every_process(tmp_path: Path, how: str) -> None:
     marks = tmp_path / "marks"
@@ -151,7 +153,7 @@ def test_a_sample_that_raises_without_workers_is_one_line(
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, phase", [
     pytest.param(signal.SIGTERM, "data", id="SIGTERM-data"),
-    pytest.param(signal.SIGINT, "group", id="SIGINT-group"),
+    pytest.param(signal.SIGINT, "group", id="SIGINT-group", marks=pytest.mark.heavy),
 ])
 def test_a_signal_during_start_up_is_one_line_and_its_code(
     tmp_path: Path, sig: signal.Signals, phase: str
