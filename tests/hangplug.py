@@ -10,11 +10,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 
 class _Samples(Dataset):
@@ -57,3 +58,20 @@ def slow(config: Any) -> Dataset:
     (Path(os.environ["HANG_STARTED"]) / "loading").touch()
     time.sleep(120)
     return _Samples()
+
+
+class _Stream(IterableDataset):
+    """The samples as a stream that raises at its row HANG_AT (each worker reads a share)."""
+
+    num_classes = 4
+
+    def __iter__(self) -> Iterator[Any]:
+        rows = _Samples()
+        for i in range(len(rows)):
+            if i == rows.bad:
+                raise ValueError(f"row {i} has a truncated record")
+            yield rows.x[i], rows.y[i]
+
+
+def stream(config: Any) -> dict[str, Dataset]:
+    return {"train": _Stream(), "val": _Samples(64)}

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, child_env
+from conftest import BIN, child_env, run_cli
 from dist_utils import free_port
 from procs import popen, reap  # noqa: F401  (reap: an autouse fixture)
 
@@ -184,3 +184,15 @@ def test_a_signal_during_start_up_is_one_line_and_its_code(
         "with --resume_from auto to go on (a run that had not trained starts afresh)"
     ), err
     assert not (run / "config.yaml").exists() and not (run / ".job").exists()
+
+
+@pytest.mark.slow
+def test_a_stream_that_raises_in_a_worker_is_one_line(tmp_path: Path) -> None:
+    """No index to name in a stream: the line names the worker and the error."""
+    proc = run_cli(["train", "--dataset", "hangplug:stream", "--num_workers", "2",
+                    "--batch_size", "8", "--output_dir", str(tmp_path / "run")],
+                   cwd=tmp_path, env={"HANG_AT": "40", "HANG_RANK": "0"}, timeout=120)
+    err = proc.stderr.strip()
+    assert proc.returncode == EXIT_USAGE, err[-3000:]
+    assert len(err.splitlines()) == 1 and err.startswith("ddptrain: error: DataLoader worker ")
+    assert "failed: ValueError: row 40 has a truncated record" in err
