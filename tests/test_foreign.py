@@ -100,6 +100,8 @@ def test_a_dcp_checkpoint_of_another_width_is_one_line(
     assert "CheckpointException" not in err
 
 
+# TensorBoard's writer thread must not print its own traceback over ddptrain's line
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_run_logs_that_cannot_be_written_are_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -149,3 +151,84 @@ def test_a_read_only_run_directory_is_refused_at_the_start_with_one_line(
         assert "is not writable (Read-only file system)" in err and str(run) in err
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_a_log_that_fails_mid_run_stops_every_rank_with_exit_74(tmp_path: Path) -> None:
+    """metrics.jsonl on a filesystem that fills up while two ranks (started by hand, no
+    agent) train: rank 0 names the file and the errno, its peer says what happened, both
+    exit 74 at once, no checkpoint follows the failure, and the run resumes once there is
+    room, its log without a gap."""
+    import json
+    import sys
+    import time
+
+    from conftest import child_env
+    from dist_utils import free_port
+    from procs import popen, reap  # noqa: F401  (reap: an autouse fixture)
+
+    from ddptrain.checkpoint.pt import list_checkpoints
+    from ddptrain.errors import EXIT_IO
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        run, ckpt = mount / "run", tmp_path / "ckpt"
+        args = ["train", "--dataset", "digits", "--model", "mlp", "--batch_size", "4",
+                "--width", "16", "--epochs", "1", "--log_interval", "1", "--save_every_steps", "20",
+                "--timeout_s", "20", "--output_dir", str(run), "--checkpoint_dir", str(ckpt)]
+        port = str(free_port())
+        ranks = [popen([sys.executable, "-m", "ddptrain", *args], tmp_path, child_env({
+            "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})) for r in (0, 1)]
+        metrics = run / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not list_checkpoints(ckpt):
+            assert all(p.poll() is None for p in ranks) and time.monotonic() < deadline
+            time.sleep(0.05)
+        filler = mount / "filler"
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=4k"], capture_output=True)
+        t0 = time.monotonic()
+        errs = [p.communicate(timeout=60)[1] for p in ranks]
+        assert time.monotonic() - t0 < 30
+        assert [p.returncode for p in ranks] == [EXIT_IO, EXIT_IO], errs
+        lines = [e.strip().splitlines() for e in errs]
+        assert all(len(x) == 1 for x in lines), errs
+        assert lines[0][0].startswith("ddptrain: ") and str(metrics) in lines[0][0]
+        assert "No space left on device (errno 28)" in lines[0][0]
+        assert lines[1][0].startswith("[rank 1] ddptrain: ")
+        assert "rank 0 could not write the run's log" in lines[1][0]
+        newest = int(list_checkpoints(ckpt)[0].stem.split("_")[1])
+        logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()
+                  if x.endswith("}") and '"train"' in x]
+        assert max(logged) >= newest  # no checkpoint past what the log holds
+
+        filler.unlink()
+        resumed = run_ranks_by_hand(args, tmp_path)
+        assert resumed == [0, 0]
+        steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()
+                 if '"train"' in x]
+        assert steps == list(range(1, len(steps) + 1))  # every step once, no gap
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def run_ranks_by_hand(args: list[str], cwd: Path) -> list[int]:
+    import sys
+
+    from conftest import child_env
+    from dist_utils import free_port
+    from procs import popen
+
+    port = str(free_port())
+    ranks = [popen([sys.executable, "-m", "ddptrain", *args, "--resume_from", "auto"], cwd,
+                   child_env({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
+             for r in (0, 1)]
+    for p in ranks:
+        p.communicate(timeout=300)
+    return [p.returncode for p in ranks]

@@ -14,7 +14,6 @@ other exit codes are listed in `ddptrain.errors`.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import re
@@ -25,7 +24,14 @@ from typing import Any
 from ddptrain import __version__
 from ddptrain.api import fit
 from ddptrain.config import ErrorParser, TrainingConfig, parse_config
-from ddptrain.errors import EXIT_PEER_LOST, EXIT_USAGE, ConfigError, TrainingStopped
+from ddptrain.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_PEER_LOST,
+    EXIT_USAGE,
+    EXIT_WORKER_LOST,
+    ConfigError,
+    TrainingStopped,
+)
 
 
 def train(config: TrainingConfig) -> dict[str, Any] | None:
@@ -52,6 +58,13 @@ def _print_summary(config: TrainingConfig, summary: dict[str, Any]) -> None:
 
 
 def _cmd_train(argv: list[str]) -> int:
+    from ddptrain.launch.signals import stop_at_once_on_signals
+
+    with stop_at_once_on_signals():  # but in the training loop, which agrees on a stop
+        return _train(argv)
+
+
+def _train(argv: list[str]) -> int:
     config = parse_config(argv)
     # torch and the trainer's modules are hundreds of thousands of objects that live as
     # long as the process: frozen, the cyclic collector never walks them again (each full
@@ -238,8 +251,54 @@ def _first_line(exc: BaseException) -> str:
     return text.split(". This is typically")[0][:200]
 
 
+def _data_worker(exc: BaseException) -> tuple[str, int] | None:
+    """A DataLoader worker that died, or that raised something not ddptrain's own (a
+    stream's `__iter__`, a user's collate), as (the line, the exit code); None otherwise."""
+    text = str(exc)
+    died = _WORKER_DIED.search(text)
+    if isinstance(exc, RuntimeError) and died:
+        how = f"was killed by signal {died.group(2)}" if died.group(2) else "exited unexpectedly"
+        return (
+            f"DataLoader worker (pid {died.group(1)}) {how}: the out-of-memory killer or a "
+            "kill; lower --num_workers or the memory each worker holds (dmesg tells an OOM "
+            "kill), then resume with --resume_from auto", EXIT_WORKER_LOST,
+        )
+    caught = _WORKER_RAISED.match(text)
+    if caught:
+        last = text.rstrip().splitlines()[-1][:200]
+        return (
+            f"DataLoader worker {caught.group(2)} failed: {last}: fix the dataset or "
+            "--collate, then resume with --resume_from auto", EXIT_USAGE,
+        )
+    return None
+
+
+_WORKER_DIED = re.compile(
+    r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) (?:is killed by signal: (\w+)|exited)"
+)
+_WORKER_RAISED = re.compile(r"Caught (\w+) in DataLoader worker process (\d+)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run a command; a run that fails leaves no DataLoader worker behind."""
+    from_command = False
+    try:
+        code = _main(sys.argv[1:] if argv is None else argv)
+        from_command = True
+    finally:
+        if not from_command or code:
+            _end_workers()
+    return code
+
+
+def _end_workers() -> None:
+    if "torch" in sys.modules:  # only a run that started one can have a worker
+        from ddptrain.data.loader import end_worker_processes
+
+        end_worker_processes()
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(
             f"usage: ddptrain {{{','.join(COMMANDS)}}} [options]   (ddptrain CMD --help)\n\n"
@@ -268,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         if unused is not None:
             _report(f"error: {unused}")
             return EXIT_USAGE
+        worker = _data_worker(exc)
+        if worker is not None:
+            _report(f"error: {worker[0]}")
+            _note_exit(worker[1])
+            return worker[1]
         if not _lost_peer(exc):
             raise
         _report(
@@ -277,18 +341,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         _note_exit(EXIT_PEER_LOST)
         return EXIT_PEER_LOST
-    except KeyboardInterrupt:
-        _report("interrupted")
-        return 130
+    except KeyboardInterrupt as exc:
+        code = getattr(exc, "exit_code", EXIT_INTERRUPTED)  # a signal outside training
+        _report(f"stopped: {exc}" if str(exc) else "interrupted")
+        _note_exit(code)
+        return code
 
 
 def _note_exit(code: int) -> None:
-    """Tell a wrapping launcher why the workers stopped: torchrun itself reports any
-    worker's non-zero exit as 1, so `scripts/launch.sh` reads the code from this file."""
-    path = os.environ.get("DDPTRAIN_EXIT_FILE")
-    if path and _rank() == "0":
-        with contextlib.suppress(OSError):
-            Path(path).write_text(f"{code}\n")
+    from ddptrain.launch.signals import note_exit
+
+    note_exit(code, int(_rank()) if _rank().isdigit() else -1)
 
 
 def _rank() -> str:

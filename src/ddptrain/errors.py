@@ -6,8 +6,9 @@ code each way gets.
 | 2 | bad input (config, environment, data, checkpoint): one `ddptrain: error:` line |
 | 3 | lost contact with the other ranks (a peer died or hung past --timeout_s; NCCL aborted) |
 | 4 | training diverged: --max_bad_steps optimizer steps in a row had non-finite gradients |
-| 74 | a checkpoint could not be written (disk full, I/O error); the previous one is intact |
-| 75 | stopped by SIGTERM after writing a checkpoint: resume with --resume_from auto |
+| 71 | a DataLoader worker died (killed by a signal: the out-of-memory killer, a kill) |
+| 74 | a checkpoint, or mid-run the run's log, could not be written; the last checkpoint is intact |
+| 75 | stopped by SIGTERM after writing a checkpoint (at start-up: at once); resume with auto |
 | 130 | stopped by SIGINT (Ctrl-C) after writing a checkpoint |
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 EXIT_USAGE = 2
 EXIT_PEER_LOST = 3
 EXIT_DIVERGED = 4
+EXIT_WORKER_LOST = 71  # EX_OSERR: the operating system took a process of ours
 EXIT_IO = 74  # EX_IOERR
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", which is what a requeue does
 EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT

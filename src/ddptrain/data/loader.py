@@ -1,5 +1,6 @@
 """The DataLoader every path uses: seeded per rank, workers that leave signals to the main
-process, pinned memory on a GPU, pre-batched datasets passed through.
+process, pinned memory on a GPU, pre-batched datasets passed through, and a sample that
+fails to load named by its index (`SampleError`), in a worker or in the main process.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 from torch.utils.data import (
     DataLoader,
     Dataset,
+    IterableDataset,
+    Subset,
     default_collate,
 )
 
@@ -35,14 +38,89 @@ def seed_worker(worker_id: int) -> None:
     random.seed(seed)
 
 
-class CollateError(ConfigError):
-    """Samples that do not make a batch. Raised in a DataLoader worker, it comes back to
-    the main process wrapped in the worker's traceback: its own line is kept."""
+class WorkerSafeError(ConfigError):
+    """An error of the data that is raised in a DataLoader worker and comes back to the main
+    process rebuilt from the worker's traceback: its own line is kept."""
 
     def __init__(self, message: str) -> None:
         if message.startswith("Caught "):  # the worker's wrapping: keep the last line
             message = message.rstrip().splitlines()[-1].partition(": ")[2] or message
         super().__init__(message)
+
+
+class CollateError(WorkerSafeError):
+    """Samples that do not make a batch."""
+
+
+class SampleError(WorkerSafeError):
+    """The user's dataset raised while reading a sample; the message names its index."""
+
+    @classmethod
+    def reading(cls, dataset: Any, indices: list[int], exc: Exception) -> SampleError:
+        source, where = _source(dataset, indices)
+        what = (
+            f"sample {where[0]}" if len(where) == 1
+            else f"one of the samples {', '.join(map(str, where[:8]))}"
+            + (", ..." if len(where) > 8 else "")
+        )
+        reason = str(exc).strip().splitlines()
+        said = f"{type(exc).__name__}: {reason[-1][:200]}" if reason else type(exc).__name__
+        return cls(
+            f"reading {what} of the dataset ({type(source).__name__}) raised {said}: fix "
+            "or remove that sample, then resume with --resume_from auto"
+        )
+
+
+def _source(dataset: Any, indices: list[int]) -> tuple[Any, list[int]]:
+    """The user's dataset under the split's `Subset`s, and the indices in it."""
+    while isinstance(dataset, (Subset, Samples)):
+        if isinstance(dataset, Subset):
+            indices = [int(dataset.indices[i]) for i in indices]
+        dataset = dataset.dataset
+    return dataset, indices
+
+
+class NamedSamples(Dataset):
+    """Reads a map-style dataset as it is, and turns an error of one of its samples into
+    a `SampleError` naming the sample: one line for the user, wherever it was read."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> Any:
+        try:
+            return self.dataset[i]
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise SampleError.reading(self.dataset, [i], exc) from None
+
+
+class NamedBatches(NamedSamples):
+    """A dataset read a batch at a time (`__getitems__`: pre-batched arrays, Hugging Face
+    sets): an error names the batch's samples."""
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        try:
+            return self.dataset.__getitems__(indices)  # type: ignore[attr-defined]
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise SampleError.reading(self.dataset, list(indices), exc) from None
+
+
+def named(dataset: Dataset) -> Dataset:
+    """`dataset` read through `NamedSamples`, batch-wise where the dataset under its split
+    reads batches itself (a `Subset` of anything else reads sample by sample anyway)."""
+    if isinstance(dataset, IterableDataset):
+        return dataset
+    source, _ = _source(dataset, [])
+    if callable(getattr(source, "__getitems__", None)):
+        return NamedBatches(dataset)
+    return NamedSamples(dataset)
 
 
 def stack_samples(samples: list[Any]) -> Any:
@@ -113,7 +191,7 @@ def make_loader(
         dataset = Samples(dataset)
     collate_fn = collate or (pass_through if is_batched(dataset) else stack_samples)
     return DataLoader(
-        dataset,
+        named(dataset),
         num_workers=workers,
         collate_fn=collate_fn,
         pin_memory=ctx.device.type == "cuda",  # page-locked memory only helps a GPU copy
@@ -133,3 +211,22 @@ def stop_workers(*loaders: Any) -> None:
         shutdown = getattr(it, "_shutdown_workers", None)
         if callable(shutdown):
             shutdown()
+
+
+def end_worker_processes() -> None:
+    """On a failed exit, SIGKILL the DataLoader workers still alive. They ignore SIGTERM
+    (see `seed_worker`), and at interpreter exit multiprocessing joins its children without
+    a timeout: a worker left running (an iterator not shut down, a worker stuck in the
+    user's `__getitem__`) would keep the rank alive for good, its peers waiting on it."""
+    import multiprocessing
+    import signal
+
+    children = multiprocessing.active_children()
+    if not children:
+        return
+    # torch's SIGCHLD handler would raise in the main thread for each worker killed here
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout=5.0)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ddptrain.config import ConfigError, TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.launch.cluster import ClusterEnv, read_cluster_env
+from ddptrain.launch.signals import exit_at_once_on_signals
 
 log = logging.getLogger("ddptrain")
 
@@ -70,16 +71,17 @@ def setup_distributed(
     if backend == "nccl":
         abort_hung_collectives()
     try:
-        dist.init_process_group(
-            backend=backend,
-            store=_attempt_store(cluster, config.timeout_s),
-            rank=cluster.rank,
-            world_size=cluster.world_size,
-            timeout=timedelta(seconds=config.timeout_s),
-            # Binding NCCL to the device up front makes its first collective eager and
-            # avoids a guess at the device from the rank.
-            device_id=device if device.type == "cuda" else None,
-        )
+        with exit_at_once_on_signals(cluster.rank):  # the rendezvous blocks in C++
+            dist.init_process_group(
+                backend=backend,
+                store=_attempt_store(cluster, config.timeout_s),
+                rank=cluster.rank,
+                world_size=cluster.world_size,
+                timeout=timedelta(seconds=config.timeout_s),
+                # Binding NCCL to the device up front makes its first collective eager
+                # and avoids a guess at the device from the rank.
+                device_id=device if device.type == "cuda" else None,
+            )
     except (dist.DistError, RuntimeError) as exc:
         raise ConfigError(_rendezvous_advice(exc, cluster, config.timeout_s)) from None
     return DistributedContext(

@@ -1,17 +1,21 @@
 """`metrics.jsonl` and TensorBoard scalars: rank 0 writes every row the hooks see.
 
 A log that cannot be written (a read-only or full filesystem, a directory in the file's
-place) ends the run with one line naming it, not a traceback.
+place) ends the run with one line naming it, not a traceback: at the start a
+`ConfigError` (exit 2, the log left as it was); during the run the writer keeps the error
+(`failure`) and the trainer stops every rank at its next agreed point, before any further
+checkpoint, with `RunLogError` (exit 74, as for a checkpoint that cannot be written).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from ddptrain.errors import ConfigError
+from ddptrain.errors import EXIT_IO, ConfigError, TrainingStopped
 from ddptrain.files import atomic_write_text
 from ddptrain.observe.hooks import Hook
 
@@ -34,6 +38,7 @@ class MetricsWriter(Hook):
         self._tb: Any = None
         self._pending: list[tuple[Any, int]] = []
         self._handed_at = time.monotonic()
+        self.failure: str | None = None  # the line of a write that failed mid-run
 
     def start(self, keep_step: int | None, keep_epoch: int | None) -> None:
         """Open the file. On resume keep only what the checkpoint already covers, so the
@@ -85,6 +90,7 @@ class MetricsWriter(Hook):
             for old in self.tensorboard_dir.glob("events.out.tfevents.*"):
                 old.unlink(missing_ok=True)
         purge = keep_step + 1 if keep_step is not None else None
+        quiet_writer_threads()
         return SummaryWriter(str(self.tensorboard_dir), purge_step=purge)
 
     def on_row(self, trainer: Any, row: dict[str, Any]) -> None:
@@ -97,9 +103,23 @@ class MetricsWriter(Hook):
             self._file.write(json.dumps({**row, "run_id": self.run_id}) + "\n")
             self._file.flush()
         except OSError as exc:
-            raise unwritable(exc, self.path) from None
+            self._failed(exc, self.path)
+            return
         if self._tb is not None:
             self._write_scalars(row)
+
+    def _failed(self, exc: OSError, path: Path | None) -> None:
+        """Keep the first failure's line and write nothing more: the trainer stops the run."""
+        if self.failure is None:
+            self.failure = str(unwritable(exc, path))
+        file, tb, self._file, self._tb = self._file, self._tb, None, None
+        self._pending.clear()
+        for closing in (file, tb):
+            try:
+                if closing is not None:
+                    closing.close()
+            except OSError:
+                pass  # the same failure again
 
     def _write_scalars(self, row: dict[str, Any]) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
@@ -120,19 +140,32 @@ class MetricsWriter(Hook):
             self._hand_over()
 
     def _hand_over(self) -> None:
-        writer = self._tb._get_file_writer()
-        for summary, step in self._pending:
-            writer.add_summary(summary, step)
+        # The writer's thread writes to disk; its error comes back at the next call here.
+        try:
+            writer = self._tb._get_file_writer()
+            for summary, step in self._pending:
+                writer.add_summary(summary, step)
+        except OSError as exc:
+            self._failed(exc, self.tensorboard_dir)
+            return
         self._pending.clear()
         self._handed_at = time.monotonic()
 
     def close(self) -> None:
+        """Flush and close; a write that fails here (the run's end) is one line, exit 74."""
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as exc:
+                self._failed(exc, self.path)
             self._file = None
         if self._tb is not None:
             self._hand_over()
-            self._tb.close()
+        if self._tb is not None:
+            try:
+                self._tb.close()
+            except OSError as exc:
+                self._failed(exc, self.tensorboard_dir)
             self._tb = None
 
 
@@ -144,3 +177,32 @@ def unwritable(exc: OSError, path: Path | None) -> ConfigError:
         f"cannot write the run's log {str(where)!r}: {reason}: make the --output_dir "
         "writable or give another one, then resume with --resume_from auto"
     )
+
+
+class RunLogError(TrainingStopped):
+    """The run's log could not be written mid-run; every rank stopped without a further
+    checkpoint, so the last one is intact and matches the log."""
+
+    exit_code = EXIT_IO
+
+
+def quiet_writer_threads() -> None:
+    """TensorBoard's writer thread records its write error for the writer's next call (where
+    `MetricsWriter` turns it into one line) and then lets it escape, and Python prints the
+    thread's traceback on top of that line: the errors of those threads alone go unprinted."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args: Any) -> None:
+        thread = args.thread
+        if (
+            type(thread).__name__ == "_AsyncWriterThread"
+            and type(thread).__module__.startswith("tensorboard.")
+            and getattr(thread, "exception", None) is args.exc_value
+        ):
+            return
+        previous(args)
+
+    hook.quiets_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook

@@ -52,6 +52,7 @@ from ddptrain.observe import Console, Curves, Hook, Hooks, MetricsWriter
 from ddptrain.observe.flops import gpu_fields, meta_shadow
 from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.trackers import tracker_hooks
+from ddptrain.observe.writer import RunLogError
 from ddptrain.parallel import StrategyChoice, resolve_strategy
 from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.train.evaluate import Evaluator
@@ -232,6 +233,8 @@ class Trainer:
             raise
         finally:
             self.hooks.close()
+        if self.writer.failure:  # the last rows' flush: every rank finished, the end is whole
+            raise RunLogError(self.writer.failure)
         return summary
 
     def _epoch(self, epoch: int) -> dict[str, float]:
@@ -253,6 +256,7 @@ class Trainer:
         })
         due = epoch == cfg.epochs or (cfg.save_every and epoch % cfg.save_every == 0)
         if (due or improved) and self._may_save():
+            self._check_logs()
             self.save(best=improved)
         return val
 
@@ -310,7 +314,7 @@ class Trainer:
                 sync.rows.append((meter.sums.snapshot(), self._row_head(epoch, meter)))
             save_now = bool(cfg.save_every_steps) and step % cfg.save_every_steps == 0
             # One process needs no agreement: a stop request is acted on at once.
-            alone_stopping = self.stop.requested and not self.ctx.distributed
+            alone_stopping = self._stopping() and not self.ctx.distributed
             if save_now or sync.due(step) or alone_stopping:
                 totals, stop = self._sync(sync, meter)
                 if save_now or stop:
@@ -337,7 +341,7 @@ class Trainer:
         step_s = (now - sync.t) / steps if steps else 0.0
         snapshots = [snap for snap, _ in sync.rows] + [meter.sums.snapshot()]
         totals, stop, mean_step_s = reduce_snapshots(
-            self.ctx, snapshots, self.stop.requested, step_s
+            self.ctx, snapshots, self._stopping(), step_s
         )
         for (_, (head, mark)), row_totals in zip(sync.rows, totals, strict=False):
             row = {**head, **meter.row(row_totals, mark)}
@@ -367,6 +371,7 @@ class Trainer:
 
     def _save_mid_epoch(self, meter: EpochMeter, totals: list[float], stop: bool) -> None:
         """Checkpoint with the epoch's running totals; on an agreed stop, end the run."""
+        self._check_logs()
         saved = self._may_save()
         if saved:
             self.save({"totals": totals, "logged": meter.logged})
@@ -374,6 +379,28 @@ class Trainer:
             self.checkpoints.wait()  # the stop's checkpoint is on disk before the run ends
         if stop:
             raise self.stop.error(self.progress.step, saved)
+
+    def _stopping(self) -> bool:
+        """A stop to agree on at the next sync: a signal, or a log that rank 0 cannot write."""
+        return self.stop.requested or self.writer.failure is not None
+
+    def _check_logs(self) -> None:
+        """Before a checkpoint or an agreed stop (collective): when rank 0 could not write
+        the run's log, every rank stops here with exit 74. No checkpoint follows, so the
+        newest one stays the last the log covers, and a resume continues the log whole."""
+        failed = self.writer.failure is not None
+        if self.ctx.distributed:  # one value, only where a checkpoint is written anyway
+            flag = torch.tensor([float(failed)], device=self.ctx.device)
+            dist.all_reduce(flag)
+            failed = bool(flag.item())
+        if not failed:
+            return
+        raise RunLogError(self.writer.failure or (
+            f"rank 0 could not write the run's log in {str(self.config.run_dir)!r} (its line "
+            f"says why): every rank stopped at step {self.progress.step} without a "
+            "checkpoint; the previous one is intact: resume with --resume_from auto once "
+            "the directory is writable"
+        ))
 
     def _forward_backward(self, batch: Any, micro: Micro, sums: MetricSums) -> Any:
         """Forward and backward of one micro-batch; gradients are reduced only on the

@@ -1,0 +1,121 @@
+"""SIGTERM and SIGINT outside the training loop: while a run starts (torch loading, the
+data, the process group, the model, a resume) or after it trained.
+
+Inside the loop `train.stop.StopRequest` turns them into an agreed stop after a
+checkpoint. Outside it there is nothing to save, so the process stops at once: the
+signal raises `StoppedOutsideTraining` in the main thread, which unwinds the start as a
+failed start does (the run directory is given back as it was, the process group is torn
+down without waiting for peers) and the run ends with one line and the code of the
+signal: 75 for SIGTERM (a requeue restarts the job), 130 for SIGINT.
+
+No torch here: the handlers go in before torch is imported, which takes seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
+
+
+class StoppedOutsideTraining(KeyboardInterrupt):
+    """A SIGTERM or SIGINT outside the training loop. A KeyboardInterrupt, as Ctrl-C is,
+    so that no `except Exception` on its way takes it for an error of the start."""
+
+    def __init__(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        self.exit_code = EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
+        super().__init__(
+            f"stopped by {name} outside the training loop (while the run started or after "
+            "it trained): nothing was left half-written; run the same command with "
+            "--resume_from auto to go on (a run that had not trained starts afresh)"
+        )
+
+
+RETRY_S = 0.5
+
+
+def _again(signum: int, handler: Any) -> None:
+    if signal.getsignal(signum) is handler:
+        os.kill(os.getpid(), signum)
+
+
+@contextlib.contextmanager
+def stop_at_once_on_signals() -> Iterator[None]:
+    """Inside this block, but outside the training loop (which takes them over and gives
+    them back), SIGTERM and SIGINT stop this process at once with `StoppedOutsideTraining`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if sys.exc_info()[0] is None:
+            raise StoppedOutsideTraining(signum)
+        # Code handling an exception (a run ending on an error, which torchrun answers by
+        # stopping the other workers; an import trying a fallback) is not cut short: the
+        # signal comes again in a moment, while these handlers are still in place.
+        timer = threading.Timer(RETRY_S, _again, (signum, handler))
+        timer.daemon = True
+        timer.start()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def exit_at_once_on_signals(rank: int) -> Iterator[None]:
+    """Around a call that blocks in C++ for up to --timeout_s (the process group's
+    rendezvous): Python runs a signal's handler only once that call returns, so a thread
+    woken by the signal (`signal.set_wakeup_fd`) says the one line and ends the process
+    there. The run directory keeps only its lock (released by the kernel) and empty
+    folders; nothing of a run is written before the process group is up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    done = threading.Event()
+
+    def watch() -> None:
+        while True:
+            got = os.read(read_fd, 1)
+            if done.is_set() or not got:
+                return
+            if got[0] in (signal.SIGTERM, signal.SIGINT):
+                stop = StoppedOutsideTraining(got[0])
+                prefix = f"[rank {rank}] " if rank else ""
+                os.write(2, f"{prefix}ddptrain: stopped: {stop}\n".encode())
+                note_exit(stop.exit_code, rank)
+                os._exit(stop.exit_code)
+
+    thread = threading.Thread(target=watch, name="ddptrain-signals", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(previous_fd)
+        os.write(write_fd, b"\0")  # wake the thread to end
+        thread.join()
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def note_exit(code: int, rank: int) -> None:
+    """Tell a wrapping launcher why the workers stopped: torchrun itself reports any
+    worker's non-zero exit as 1, so `scripts/launch.sh` reads the code from this file."""
+    path = os.environ.get("DDPTRAIN_EXIT_FILE")
+    if path and rank == 0:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write(f"{code}\n")
