@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from conftest import run_torchrun, write_npz
+from dist_utils import run_ranks
 from procs import assert_bitwise, weights
 
 from ddptrain.checkpoint import list_checkpoints, list_step_dirs
@@ -119,7 +121,32 @@ def test_a_damaged_checkpoint_is_refused(
     assert not out.exists()
 
 
+def _fit_without_curves(rank: int, job: dict[str, Any]) -> None:
+    import ddptrain.observe.plot
+    from ddptrain import TrainingConfig, fit
+
+    ddptrain.observe.plot.matplotlib_available = lambda: False  # as `_no_curves`
+    fit(TrainingConfig(**job))
+
+
 @pytest.mark.slow
+@pytest.mark.heavy
+@pytest.mark.parametrize(("strategy", "kind"), [("ddp", "pt"), ("fsdp", "dcp")])  # zero: as ddp
+def test_initial_weights_reach_every_rank(
+    strategy: str, kind: str, sources: dict[str, Path], tmp_path: Path
+) -> None:
+    """Rank 0 reads the weights and the others receive them (fsdp: each keeps its shard)."""
+    checkpoints = sources[kind] / "checkpoints"
+    source = list_checkpoints(checkpoints)[0] if kind == "pt" else list_step_dirs(checkpoints)[0]
+    job = dict(dataset=str(sources["data"]), model="mlp", width=16, batch_size=8, epochs=1,
+               num_workers=0, tensorboard=False, optimizer="adamw", lr=0.0, strategy=strategy,
+               init_from=str(source), output_dir=str(tmp_path / "run"))
+    run_ranks(_fit_without_curves, 2, tmp_path, job)
+    assert_bitwise(weights(tmp_path / "run"), weights(sources[kind]))
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_hugging_face_directory_fine_tunes_on_two_ranks_and_leaves_hf(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     import hfplug
