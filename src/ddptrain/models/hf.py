@@ -44,6 +44,7 @@ def build_hf(
     the structure they fill."""
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()  # the run's own lines say what happens
     directory = hf_dir(name)
     kwargs = dict(args)
     class_name = kwargs.pop("auto_class", None) or TASK_CLASSES.get(task or "")
