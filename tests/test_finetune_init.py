@@ -76,8 +76,10 @@ def test_weights_of_another_architecture_are_one_line_and_nothing_is_written(
     out = tmp_path / "fine"
     code = main([*_job(sources["data"]), "--width", "8", "--init_from", str(sources["pt"]),
                  "--output_dir", str(out)])
-    err = capsys.readouterr().err.strip().splitlines()
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
     assert code == 2
+    assert " INFO run " not in captured.out  # refused before the directory was claimed
     assert len(err) == 1 and err[0].startswith("ddptrain: error: --init_from"), err
     assert "5 of another shape" in err[0] and "net.1.weight (16, 6) vs (8, 6)" in err[0]
     assert "(+1 more)" in err[0]
