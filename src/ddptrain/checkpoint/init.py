@@ -28,7 +28,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from ddptrain.checkpoint.common import CheckpointError, _few, read_payload
-from ddptrain.checkpoint.dcp import check_metadata, check_shards, model_state_from_dir, read_meta
+from ddptrain.checkpoint.dcp import (
+    META,
+    check_metadata,
+    check_shards,
+    model_state_from_dir,
+    read_meta,
+)
 from ddptrain.context import DistributedContext
 
 log = logging.getLogger("ddptrain")
@@ -36,6 +42,7 @@ log = logging.getLogger("ddptrain")
 WEIGHTS = "model.safetensors"
 SHARDED = "model.safetensors.index.json"  # save_pretrained's shards and where each name is
 Shapes = dict[str, tuple[int, ...]]
+_checked_dirs: set[tuple[str, int]] = set()  # step directories whose files passed their CRCs
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,10 @@ def source_shapes(path: Path) -> tuple[Shapes, dict[str, str]]:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         meta = read_meta(path, cpu)
-        check_shards(path, meta, DistributedContext(0, 0, 1, cpu))
+        key = (str(path.resolve()), (path / META).stat().st_mtime_ns)
+        if key not in _checked_dirs:  # checked before the process group, not again after
+            check_shards(path, meta, DistributedContext(0, 0, 1, cpu))
+            _checked_dirs.add(key)
         entries = check_metadata(path).state_dict_metadata
         return {
             key.removeprefix("model."): tuple(md.size)
