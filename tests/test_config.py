@@ -69,7 +69,7 @@ def test_bad_yaml_is_refused(tmp_path: Path, yaml_text: str, needle: str) -> Non
         (["--batch_size", "0"], "--batch_size 0 is invalid"),
         (["--grad_accum_steps", "0"], "--grad_accum_steps 0 is invalid"),
         (["--epochs", "-1"], "--epochs -1 is invalid"),
-        (["--lr", "0"], "--lr 0.0 is invalid"),
+        (["--lr", "-1"], "--lr -1.0 is invalid"),
         (["--val_fraction", "1.5"], "--val_fraction 1.5 is invalid"),
         (["--dataset", "imagenet"], "--dataset 'imagenet' is invalid"),
         (["--dataset", "missing.npz"], "no such file"),

@@ -101,6 +101,7 @@ def fit(
     finished = _finished_summary(run, model)
     if finished is not None:
         return finished
+    _refuse_unfit_init(run, model)
     with claim_run_dir(run) as claim:
         return _run_in_group(dataclasses.replace(run, config=claim.config), model, hooks, claim)
 
@@ -254,42 +255,25 @@ def _finished_summary(run: Resolved, model: Any) -> dict[str, Any] | None:
 def _refuse_another_model(run: Resolved, model: Any, path: Path, payload: dict[str, Any]) -> None:
     """The checks a resume makes, made without training: the task and optimizer, and the
     weights against this command's model, built on the meta device (no memory, no init)."""
-    import torch
-
     from ddptrain.checkpoint.common import check_model_state
     from ddptrain.checkpoint.schema import refuse_incompatible
-    from ddptrain.models import create_model
-    from ddptrain.train import head_size
 
-    config, data, task = run.config, run.data, run.task
+    config, task = run.config, run.task
     refuse_incompatible(payload, config.to_dict(), task.name, str(path))
     saved = payload.get("model_state_dict")
     if saved is None:  # a DCP step directory: its weights are checked as they load
         return
-    if not _is_module(model):
-        with torch.device("meta"):
-            model = (
-                create_model(config, data, head_size(task, data.facts), torch.device("meta"))
-                if model is None else _call_model_factory(model, config, data, task)
-            )
-    check_model_state(model, saved, path)
+    check_model_state(_meta_model(run, model), saved, path)
 
 
 def _print_dry_run(run: Resolved, model: Any) -> None:
     """The plan and the resolved config, from the same builders a real run uses."""
-    import torch
     import yaml
 
-    from ddptrain.models import create_model
-    from ddptrain.train import format_plan, head_size, make_plan
+    from ddptrain.train import format_plan, make_plan
 
     config, data, task = run.config, run.data, run.task
-    if not _is_module(model):  # counted on the meta device: a model of any size
-        with torch.device("meta"):
-            model = (
-                create_model(config, data, head_size(task, data.facts), torch.device("meta"))
-                if model is None else _call_model_factory(model, config, data, task)
-            )
+    model = _meta_model(run, model)  # counted on the meta device: a model of any size
     plan = make_plan(
         config, data, run.cluster.world_size, str(run.device), run.backend or "none",
         run.precision.describe(), task.name, sum(p.numel() for p in model.parameters()),
@@ -297,6 +281,48 @@ def _print_dry_run(run: Resolved, model: Any) -> None:
     )
     print(f"{format_plan(plan, config)}\n\n# resolved config\n"
           + yaml.safe_dump(config.to_dict(), sort_keys=False), end="", flush=True)
+
+
+def _meta_model(run: Resolved, model: Any) -> Any:
+    """This command's model without its memory or its initialisation: built on the meta
+    device (a given instance as it is)."""
+    import torch
+
+    from ddptrain.models import create_model
+    from ddptrain.train import head_size
+
+    if _is_module(model):
+        return model
+    config, data, task = run.config, run.data, run.task
+    with torch.device("meta"):
+        if model is not None:
+            return _call_model_factory(model, config, data, task)
+        outputs = head_size(task, data.facts)
+        return create_model(config, data, outputs, torch.device("meta"), task=task.name)
+
+
+def _refuse_unfit_init(run: Resolved, model: Any) -> None:
+    """`--init_from` checked against this command's model before the process group
+    starts (and before the run directory is touched): names and shapes, and the file's
+    checksums. Skipped when the run resumes (a resume wins); a start whose checkpoints
+    all turn out unusable is checked again as it loads."""
+    from ddptrain.checkpoint import find_resumable
+    from ddptrain.checkpoint.init import check_fit
+
+    config = run.config
+    if config.init_from is None or config.resume_from not in (None, "auto"):
+        return
+    if config.resume_from == "auto":
+        import torch
+
+        if find_resumable(config.ckpt_dir, torch.device("cpu")) is not None:
+            return
+    try:
+        module = _meta_model(run, model)
+    except Exception as exc:  # a model that cannot be built on meta: checked as it loads
+        log.debug("--init_from is checked once the model is built (%s)", exc)
+        return
+    check_fit(module, Path(config.init_from), config.init_strict)
 
 
 def _with_task(config: TrainingConfig, task: str) -> TrainingConfig:

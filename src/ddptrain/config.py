@@ -55,7 +55,7 @@ class TrainingConfig:
     model: str = _f(
         "auto",
         "auto (gpt for token windows, miniresnet for images, else mlp) | mlp | miniresnet | "
-        "gpt | module:fn",
+        "gpt | module:fn | hf:DIR (a Hugging Face save_pretrained directory)",
     )
     model_args: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "key=value arguments for a module:fn model"}
@@ -160,6 +160,15 @@ class TrainingConfig:
     resume_from: str | None = _f(
         None, "checkpoint to resume from: a .pt file, a DCP step directory, or 'auto' (newest)"
     )
+    init_from: str | None = _f(
+        None,
+        "start from these weights only (fresh optimizer, schedule and progress): a "
+        ".safetensors file, a run directory, a .pt checkpoint, a DCP step directory or a "
+        "Hugging Face save_pretrained directory; a resume wins over it",
+    )
+    init_strict: bool = _f(
+        True, "--init_from must fit the model exactly (false: load what fits, log the rest)"
+    )
     checkpoint_format: Literal["auto", "file", "dcp"] = _f(
         "auto",
         "file: one .pt written by rank 0 | dcp: a step directory, every rank writes its shard "
@@ -234,8 +243,8 @@ class TrainingConfig:
             value = getattr(self, name)
             if value < 0:
                 _bad(name, value, "use a value of 0 or more")
-        if not self.lr > 0:
-            _bad("lr", self.lr, "use a positive learning rate such as 0.01")
+        if not self.lr >= 0:  # 0 trains nothing: the start (--init_from) evaluated as it is
+            _bad("lr", self.lr, "use a learning rate of 0 or more, such as 0.01")
         if self.val_fraction is not None and not 0 < self.val_fraction < 1:
             _bad("val_fraction", self.val_fraction, "use a fraction between 0 and 1, e.g. 0.2")
         for name in ("timeout_s", "checkpoint_timeout_s"):
@@ -248,14 +257,25 @@ class TrainingConfig:
         self._validate_dataset()
         if self.collate is not None and not _is_import_ref(self.collate):
             _bad("collate", self.collate, "give package.module:fn, a function of a list of samples")
-        if not (self.model in BUILTIN_MODELS or _is_import_ref(self.model)):
-            _bad("model", self.model, f"choose one of {', '.join(BUILTIN_MODELS)} or module:fn")
+        if self.model.startswith("hf:"):
+            if not (Path(self.model[3:]) / "config.json").is_file():
+                _bad("model", self.model, "give hf:DIR, a directory Hugging Face's "
+                     "save_pretrained wrote (with its config.json)")
+        elif not (self.model in BUILTIN_MODELS or _is_import_ref(self.model)):
+            _bad("model", self.model, f"choose one of {', '.join(BUILTIN_MODELS)}, module:fn "
+                 "or hf:DIR")
         if not (self.task in BUILTIN_TASKS or _is_import_ref(self.task)):
             _bad("task", self.task, f"choose one of {', '.join(BUILTIN_TASKS)} or module:fn")
         if self.resume_from not in (None, "auto") and not Path(self.resume_from).exists():
             _bad(
                 "resume_from", self.resume_from,
                 "give an existing checkpoint file or DCP step directory, or 'auto'",
+            )
+        if self.init_from is not None and not Path(self.init_from).exists():
+            _bad(
+                "init_from", self.init_from,
+                "give an existing .safetensors or .pt file, a run, DCP step or Hugging Face "
+                "directory",
             )
         if self.async_checkpoint and self.checkpoint_kind == "file":
             _bad(

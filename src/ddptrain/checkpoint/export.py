@@ -1,17 +1,21 @@
 """Whole-model weights for inference: `model.safetensors` with the model's own parameter
-names, tied weights stored once (`ddptrain export`, and the end of every run).
+names, tied weights stored once (`ddptrain export`, and the end of every run); for a
+Hugging Face model also `hf/`, a `save_pretrained` directory (`export_hf_dir`).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ddptrain.checkpoint.common import CheckpointError
 from ddptrain.checkpoint.manager import load_checkpoint
 from ddptrain.context import DistributedContext
-from ddptrain.files import staged
+from ddptrain.files import fsync_dir, staged
 
 
 def export_safetensors_state(state: dict[str, torch.Tensor], out: Path) -> int:
@@ -85,3 +89,36 @@ def read_safetensors_state(path: Path) -> dict[str, torch.Tensor]:
         if alias != key and value in state:
             state[alias] = state[value]
     return state
+
+
+# Files of a Hugging Face directory that describe its tokenizer (or processor): copied
+# into the run's `hf/` so that it loads as the directory it came from did.
+TOKENIZER_FILES = (
+    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+    "*.model", "chat_template.*", "preprocessor_config.json", "processor_config.json",
+)
+
+
+def export_hf_dir(
+    module: nn.Module, state: dict[str, torch.Tensor], out: Path, source: Path | None = None
+) -> None:
+    """Write a Hugging Face model as a `save_pretrained` directory (its config and
+    `state` as safetensors; the tokenizer files of `source` copied when it has them), so
+    that `AutoModel*.from_pretrained(out)` loads it as it is. Written beside `out` and
+    renamed into place: a crash leaves the old directory or the new one. `state` is the
+    whole model on the CPU (gathered under fsdp), `module` this rank's (maybe sharded)
+    model, whose config and tie rules are used."""
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    module.save_pretrained(  # type: ignore[operator]
+        partial, state_dict=state, safe_serialization=True, is_main_process=True
+    )
+    if source is not None:
+        for pattern in TOKENIZER_FILES:
+            for file in source.glob(pattern):
+                if file.is_file() and not (partial / file.name).exists():
+                    shutil.copy2(file, partial / file.name)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+    fsync_dir(out.parent)

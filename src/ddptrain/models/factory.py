@@ -15,19 +15,24 @@ from torch import nn
 from ddptrain.config import TrainingConfig
 from ddptrain.data import DataBundle
 from ddptrain.errors import ConfigError
+from ddptrain.models.hf import build_hf, is_hf_ref
 from ddptrain.models.nets import MLP, MiniResNet
 from ddptrain.plugins import call_factory
 
 
 def create_model(
-    config: TrainingConfig, data: DataBundle, outputs: int | None, device: torch.device
+    config: TrainingConfig, data: DataBundle, outputs: int | None, device: torch.device,
+    task: str | None = None,
 ) -> nn.Module:
     """Build the model for the data's shape and the task's `outputs` (the width of the
-    head), and move it to `device` (DDP does not move it)."""
+    head), and move it to `device` (DDP does not move it). `task`: the task's name, which
+    picks a Hugging Face model's head (`hf:DIR`)."""
     name = config.model
     if name == "auto":
         name = "gpt" if data.facts.vocab_size else "miniresnet" if data.is_image else "mlp"
-    if ":" in name:
+    if is_hf_ref(name):
+        model = build_hf(name, config.model_args, task, outputs, device)
+    elif ":" in name:
         model = call_factory(
             name, "model", config, config.model_args, {**data.facts.as_kwargs(), "outputs": outputs}
         )

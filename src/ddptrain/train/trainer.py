@@ -25,6 +25,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain.checkpoint import Checkpointer, Progress, export_safetensors_state
+from ddptrain.checkpoint.export import export_hf_dir
+from ddptrain.checkpoint.init import load_initial_weights
 from ddptrain.checkpoint.rng import gather_rng_states, seed_process
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext, gather_to_main
@@ -47,7 +50,7 @@ from ddptrain.data import (
     to_device,
 )
 from ddptrain.files import atomic_write_text
-from ddptrain.models import create_model
+from ddptrain.models import create_model, hf_dir, is_hf_model, is_hf_ref
 from ddptrain.observe import Console, Curves, Hook, Hooks, MetricsWriter
 from ddptrain.observe.flops import gpu_fields, meta_shadow
 from ddptrain.observe.profiling import StepProfiler
@@ -137,6 +140,8 @@ class Trainer:
             self.val_loader, self.memory_format,
         )
         self.resumed_from = restore(self)
+        if config.init_from is not None:
+            self._initial_weights(config.init_from)
         self.last_inputs: Any = None  # model inputs of the newest micro-batch (FLOPs, fsdp eval)
         if config.compile:
             # ddp, zero: the wrapper; fsdp: each block (see `Strategy.compile`)
@@ -157,7 +162,10 @@ class Trainer:
             elif module is not None:
                 built = module()
             else:
-                built = create_model(cfg, self.data, head_size(self.task, self.data.facts), device)
+                built = create_model(
+                    cfg, self.data, head_size(self.task, self.data.facts), device,
+                    task=self.task.name,
+                )
             built = built.to(device)
             if cfg.channels_last:
                 built = built.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
@@ -166,6 +174,14 @@ class Trainer:
         if isinstance(module, nn.Module):
             return build(self.ctx.device)
         return self.strategy.build_module(build)
+
+    def _initial_weights(self, source: str) -> None:
+        """`--init_from`: the weights a fresh run starts from; a resumed run keeps its own."""
+        if self.resumed_from is not None:
+            log.info("--init_from %s is ignored: the run resumes from %s (a run that goes on "
+                     "never re-initialises)", source, self.resumed_from)
+            return
+        load_initial_weights(self.module, Path(source), self.ctx, self.config.init_strict)
 
     @property
     def memory_format(self) -> torch.memory_format | None:
@@ -225,6 +241,9 @@ class Trainer:
             weights = self.strategy.model_state(self.module)  # collective under fsdp
             if ctx.is_main:
                 export_safetensors_state(weights, cfg.run_dir / "model.safetensors")
+                if is_hf_model(self.module):  # also as a save_pretrained directory
+                    source = hf_dir(cfg.model) if is_hf_ref(cfg.model) else None
+                    export_hf_dir(self.module, weights, cfg.run_dir / "hf", source)
                 text = json.dumps(summary, indent=2) + "\n"
                 atomic_write_text(cfg.run_dir / "summary.json", text)
             self.hooks.on_fit_end(self, summary)
