@@ -55,16 +55,24 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # The heads this module computes, (first, count): all of them, except under tensor
+        # parallelism (`ddptrain.parallel.tp`), where each rank takes its share.
+        self.head_range = (0, config.n_head)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        first, count = self.head_range
+        head_dim = c // self.n_head
         # (B, T, C) -> (B, n_head, T, head_dim): the layout scaled_dot_product_attention takes.
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (
+            z.view(b, t, self.n_head, head_dim)[:, :, first:first + count].transpose(1, 2)
+            for z in (q, k, v)
+        )
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        y = y.transpose(1, 2).contiguous().view(b, t, count * head_dim)
         return self.resid_dropout(self.c_proj(y))
 
 
