@@ -19,14 +19,19 @@ from ddptrain.models.nets import MLP, MiniResNet
 from ddptrain.plugins import call_factory
 
 
+def model_name(config: TrainingConfig, data: DataBundle) -> str:
+    """The built-in model `--model auto` means for this data, or `--model` itself."""
+    if config.model != "auto":
+        return config.model
+    return "gpt" if data.facts.vocab_size else "miniresnet" if data.is_image else "mlp"
+
+
 def create_model(
     config: TrainingConfig, data: DataBundle, outputs: int | None, device: torch.device
 ) -> nn.Module:
     """Build the model for the data's shape and the task's `outputs` (the width of the
     head), and move it to `device` (DDP does not move it)."""
-    name = config.model
-    if name == "auto":
-        name = "gpt" if data.facts.vocab_size else "miniresnet" if data.is_image else "mlp"
+    name = model_name(config, data)
     if ":" in name:
         model = call_factory(
             name, "model", config, config.model_args, {**data.facts.as_kwargs(), "outputs": outputs}

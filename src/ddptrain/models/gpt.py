@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ddptrain.errors import ConfigError
+
 DEFAULT_N_LAYER = 2
 DEFAULT_N_HEAD = 4
 
@@ -155,6 +157,16 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+def check_tensor_parallel(tp: int, n_head: int = DEFAULT_N_HEAD) -> None:
+    """Refuse a tensor-parallel degree that does not divide the heads (each rank computes
+    `n_head / tp` of them)."""
+    if n_head % tp:
+        raise ConfigError(
+            f"--tp {tp} does not divide the GPT's {n_head} attention heads: choose a tp "
+            "that does"
+        )
 
 
 def build_gpt(vocab_size: int, block_size: int, width: int) -> GPT:

@@ -119,8 +119,6 @@ def resolve_strategy(
                 "into CPU memory, and here the parameters already live there; drop the flag"
             )
     layout = plan_mesh(config, world_size, local_ranks)
-    if layout.tp > 1:
-        _check_heads(config, layout.tp)
     memory = device_memory(device, world_size if local_ranks is None else local_ranks)
     auto = config.checkpoint_format == "auto"
     if world_size == 1:
@@ -134,18 +132,6 @@ def resolve_strategy(
     cls = TensorParallel if layout.tp > 1 else FSDP
     kind = "dcp" if config.checkpoint_format == "auto" else config.checkpoint_format
     return StrategyChoice(config.strategy, world_size, kind, cls, memory, False, layout)
-
-
-def _check_heads(config: TrainingConfig, tp: int) -> None:
-    """The built-in GPT splits its heads over the tp ranks: refuse a tp that does not
-    divide them before any process starts (a user plan checks its own model)."""
-    from ddptrain.models.gpt import DEFAULT_N_HEAD
-
-    if config.tp_plan is None and config.model in ("gpt", "auto") and DEFAULT_N_HEAD % tp:
-        raise ConfigError(
-            f"--tp {tp} does not divide the built-in GPT's {DEFAULT_N_HEAD} attention heads: "
-            "choose a tp that does (1, 2 or 4)"
-        )
 
 
 def _refuse(flag: str, value: object, strategy: str) -> None:

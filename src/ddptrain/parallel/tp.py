@@ -100,9 +100,7 @@ def tensor_parallel_plan(module: nn.Module, config: TrainingConfig) -> TPPlan:
                 f"--tp_plan {config.tp_plan!r} is not a function: give fn(model, tp_mesh)"
             )
         return fn
-    from ddptrain.models.gpt import GPT
-
-    if isinstance(module, GPT):
+    if _gpt_layout(module):
         return parallelize_gpt
     raise ConfigError(
         f"--tp {config.tp}: ddptrain has a tensor-parallel plan for the built-in GPT only, "
@@ -117,7 +115,7 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh) -> None:
     heads = int(model.config.n_head)  # type: ignore[union-attr, arg-type]
     if heads % tp:
         raise ConfigError(
-            f"--tp {tp} does not divide the model's {heads} attention heads: choose a tp "
+            f"--tp {tp} does not divide the GPT's {heads} attention heads: choose a tp "
             "that does"
         )
     group = mesh.get_group()
@@ -131,6 +129,16 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh) -> None:
         })
         block.attn.head_range = (rank * per_rank, per_rank)
         block.attn.c_attn.register_forward_hook(_SumGradHook(group))
+
+
+def _gpt_layout(module: nn.Module) -> bool:
+    """Whether `module` is laid out as the built-in GPT (`ddptrain.models.gpt`): blocks of
+    a fused-qkv attention that can compute a share of its heads, and an MLP."""
+    blocks = getattr(module, "blocks", None)
+    return hasattr(getattr(module, "config", None), "n_head") and bool(blocks) and all(
+        hasattr(b, "attn") and hasattr(b.attn, "head_range") and hasattr(b, "mlp")
+        for b in blocks  # type: ignore[union-attr]
+    )
 
 
 class _SumGradHook:
