@@ -93,6 +93,12 @@ def _reference(tmp_path: Path, name: str, **fields: Any) -> dict[str, Any]:
     return fit_runs(0, runs)[0]
 
 
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The plain run every layout must equal, trained once for the module."""
+    return _reference(tmp_path_factory.mktemp("plain"), "ddp")
+
+
 def _assert_same_weights(got: dict[str, Any], ref: dict[str, Any], atol: float = 1e-5) -> None:
     assert sorted(got["weights"]) == sorted(ref["weights"])  # the module's own names
     for name, value in ref["weights"].items():
@@ -104,7 +110,9 @@ def _assert_same_weights(got: dict[str, Any], ref: dict[str, Any], atol: float =
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_tp2_equals_ddp_halves_the_bytes_and_resumes_from_dcp(tmp_path: Path) -> None:
+def test_tp2_equals_ddp_halves_the_bytes_and_resumes_from_dcp(
+    tmp_path: Path, plain: dict[str, Any]
+) -> None:
     """--tp 2 on 2 ranks (each rank the whole batch): ddp's weights and figures; its
     parameters, gradients and optimizer state about half of ddp's; a DCP step directory
     written mid-epoch resumes (same layout) to the uninterrupted run's weights."""
@@ -115,7 +123,7 @@ def test_tp2_equals_ddp_halves_the_bytes_and_resumes_from_dcp(tmp_path: Path) ->
          "resume_from": str(tmp_path / "tp" / "checkpoints" / "step_000000002")},
     ]
     ranks = run_ranks(fit_runs, 2, tmp_path, runs)
-    ref = _reference(tmp_path, "ddp")
+    ref = plain
     full, resumed = ranks[0]
     _assert_same_weights(full, ref)
     assert full["summary"]["strategy"] == "tp"
@@ -129,16 +137,25 @@ def test_tp2_equals_ddp_halves_the_bytes_and_resumes_from_dcp(tmp_path: Path) ->
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_hsdp_and_fsdp_x_tp_on_4_ranks_equal_ddp(tmp_path: Path) -> None:
+def test_hsdp_and_fsdp_x_tp_on_4_ranks_equal_ddp_and_resume_on_one_process(
+    tmp_path: Path, plain: dict[str, Any]
+) -> None:
     """HSDP 2x2 (2 replicas, each sharded over 2 ranks; batch 32 on each of 4 ranks) and
-    FSDP x TP 2x2 (2 data-parallel ranks of batch 64, each split over 2 tp ranks)."""
+    FSDP x TP 2x2 (2 data-parallel ranks of batch 64, each split over 2 tp ranks); the
+    latter's DCP directory written mid-epoch resumes on one process (plain training,
+    batch 128) to the same weights."""
     runs = [
         {**GPT, "strategy": "fsdp", "dp_replicate": 2, "batch_size": GLOBAL_BATCH // 4,
          "output_dir": str(tmp_path / "hsdp")},
         {**GPT, "strategy": "fsdp", "tp": 2, "batch_size": GLOBAL_BATCH // 2,
-         "output_dir": str(tmp_path / "fsdp_tp")},
+         "output_dir": str(tmp_path / "fsdp_tp"), "save_every_steps": 2},
     ]
     hsdp, fsdp_tp = run_ranks(fit_runs, 4, tmp_path, runs)[0]
-    ref = _reference(tmp_path, "ddp")
+    ref = plain
     _assert_same_weights(hsdp, ref)
     _assert_same_weights(fsdp_tp, ref)
+    step = tmp_path / "fsdp_tp" / "checkpoints" / "step_000000002"
+    on_one = _reference(tmp_path, "one", resume_from=str(step))
+    assert on_one["resumed_from"] == str(step)
+    for name, value in ref["weights"].items():
+        torch.testing.assert_close(on_one["weights"][name], value, atol=1e-5, rtol=0, msg=name)
