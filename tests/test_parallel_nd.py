@@ -51,6 +51,7 @@ def test_mesh_layout_keeps_tp_innermost_and_derives_the_shards() -> None:
     ({"dp_replicate": 2}, 4, "--dp_replicate 2 is HSDP"),
     ({"tp": 2}, 4, "--strategy ddp does not compose with tensor parallelism"),
     ({"strategy": "zero", "tp": 2}, 2, "--tp 2 with --strategy zero is unsupported"),
+    ({"tp_plan": "mypkg.plans:tp"}, 2, "--tp_plan 'mypkg.plans:tp' is a tensor-parallel plan"),
 ])
 def test_bad_layouts_are_refused_before_the_group(
     fields: dict[str, Any], world: int, message: str

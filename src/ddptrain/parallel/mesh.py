@@ -77,6 +77,11 @@ def plan_mesh(
             f"--pp {p}: pipeline parallelism is not available yet; drop --pp (or use "
             "--tp / --dp_replicate)"
         )
+    if config.tp_plan and t == 1:
+        raise ConfigError(
+            f"--tp_plan {config.tp_plan!r} is a tensor-parallel plan and --tp is 1: add "
+            "--tp 2 (or more), or drop the flag"
+        )
     fixed = r * t * p
     if world_size % fixed:
         raise ConfigError(
