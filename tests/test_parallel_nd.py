@@ -19,10 +19,12 @@ from ddptrain.errors import ConfigError
 from ddptrain.parallel import resolve_strategy
 from ddptrain.parallel.mesh import MeshLayout, plan_mesh
 
-# 530 training windows of 64 characters; a global batch of 128: 5 optimizer steps.
+# 530 training windows of 64 characters; a global batch of 128: 5 optimizer steps. The
+# gradient norms are 2.2, 2.1, 1.7, 1.6, 1.8: the clip at 1.9 acts on some steps only, so
+# a wrong norm changes which, and a wrong gradient scale is not clipped away.
 GPT = dict(
     dataset="chars", block_size=64, width=64, epochs=1, optimizer="sgd", lr=0.5,
-    momentum=0.9, max_grad_norm=0.05, log_interval=1, seed=3,
+    momentum=0.9, max_grad_norm=1.9, log_interval=1, seed=3,
 )
 GLOBAL_BATCH = 128
 
