@@ -148,6 +148,12 @@ def resolve_run(
             f"--channels_last needs image data (N, C, H, W), and --dataset {config.dataset!r} "
             f"gives samples of shape {data.input_shape}: drop the flag"
         )
+    if config.tp > 1 and model is None and config.tp_plan is None:
+        from ddptrain.models.factory import model_name
+        from ddptrain.models.gpt import check_tensor_parallel
+
+        if model_name(config, data) == "gpt":  # its heads split over the tp ranks
+            check_tensor_parallel(config.tp)
     if not hasattr(task, "loss"):  # a built-in name, or None: the config's --task
         task = resolve_task(config if task is None else _with_task(config, task), data.facts)
     return Resolved(config, cluster, device, backend, precision, strategy, data, task)

@@ -131,6 +131,23 @@ class TrainingConfig:
         True, "fsdp: free gathered parameters after forward (ZeRO-3); no: keep them (ZeRO-2)"
     )
     fsdp_cpu_offload: bool = _f(False, "fsdp on GPU: keep sharded parameters on the CPU")
+    # The device mesh: world size = dp_replicate x (data-parallel shards) x tp x pp
+    dp_replicate: int = _f(
+        1,
+        "fsdp: replicas of the model, each sharded over world size / (dp_replicate x tp x "
+        "pp) ranks (HSDP: shards stay inside a node, replicas all-reduce across nodes)",
+    )
+    tp: int = _f(
+        1,
+        "tensor parallelism: ranks that split each layer (attention heads, MLP) and see the "
+        "same batch; inside a node",
+    )
+    pp: int = _f(1, "pipeline stages (reserved: only 1 is available)")
+    tp_plan: str | None = _f(
+        None,
+        "package.module:fn, fn(model, tp_mesh) parallelizes a model that is not the "
+        "built-in GPT under --tp",
+    )
     find_unused_parameters: bool = _f(
         False,
         "ddp, zero: a model whose steps leave some parameters out of the loss (a branch "
@@ -254,6 +271,11 @@ class TrainingConfig:
             _bad("global_batch_size", self.global_batch_size, "use a whole number of samples")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             _bad("max_grad_norm", self.max_grad_norm, "use a positive norm, or leave it unset")
+        for name in ("dp_replicate", "tp", "pp"):
+            if getattr(self, name) < 1:
+                _bad(name, getattr(self, name), "use a whole number of at least 1 (1: off)")
+        if self.tp_plan is not None and not _is_import_ref(self.tp_plan):
+            _bad("tp_plan", self.tp_plan, "give package.module:fn, fn(model, tp_mesh)")
         self._validate_dataset()
         if self.collate is not None and not _is_import_ref(self.collate):
             _bad("collate", self.collate, "give package.module:fn, a function of a list of samples")

@@ -22,10 +22,31 @@ class DistributedContext:
     world_size: int
     device: torch.device
     backend: str | None = None  # None: world size 1, no process group
+    # An n-D layout (--tp, --dp_replicate; `parallel/mesh.py`): its DeviceMesh, and this
+    # rank's data-parallel rank and size. None: every rank is a data-parallel rank.
+    mesh: Any = None
+    data_parallel: tuple[int, int] | None = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of the data this rank trains and evaluates: ranks that split one
+        model replica's layers (tensor parallelism) share it, and see the same batches."""
+        return self.rank if self.data_parallel is None else self.data_parallel[0]
+
+    @property
+    def data_world(self) -> int:
+        """How many shares the data is split into (the data-parallel ranks)."""
+        return self.world_size if self.data_parallel is None else self.data_parallel[1]
+
+    @property
+    def counts_data(self) -> bool:
+        """Whether this rank's loss and metric sums count in a global sum: one rank of
+        each group that shares a batch does, so every sample counts once."""
+        return self.mesh is None or self.mesh.get_local_rank("tp") == 0
 
     @property
     def distributed(self) -> bool:

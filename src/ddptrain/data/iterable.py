@@ -136,7 +136,7 @@ class IterableBatches:
         if not n:
             log.warning("IterableDataset without __len__: the learning rate stays at --lr")
         self.steps_per_epoch = steps_per_epoch(
-            n, ctx.world_size, config.batch_size, config.grad_accum_steps, config.drop_last
+            n, ctx.data_world, config.batch_size, config.grad_accum_steps, config.drop_last
         )
 
     def state_dict(self) -> dict[str, Any] | None:
@@ -195,7 +195,7 @@ def make_iterable_loader(
     dataset: IterableDataset, config: TrainingConfig, ctx: DistributedContext,
     batch_size: int | None = None, collate: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
-    shard = RankShard(dataset, ctx.world_size, ctx.rank)
+    shard = RankShard(dataset, ctx.data_world, ctx.data_rank)
     # Workers that persisted across epochs would keep the copy of the stream they started
     # with, and never hear of `set_epoch`: an iterable's workers start anew each epoch.
     return make_loader(

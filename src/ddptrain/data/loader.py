@@ -185,7 +185,7 @@ def make_loader(
     sample by sample); without it, pre-batched data passes through and other samples are
     stacked."""
     generator = torch.Generator()
-    generator.manual_seed(config.seed + ctx.rank)
+    generator.manual_seed(config.seed + ctx.data_rank)
     workers = config.num_workers
     if collate is not None and is_batched(dataset):
         dataset = Samples(dataset)

@@ -62,13 +62,13 @@ class TrainBatches:
     ) -> None:
         self.dataset, self.config, self.ctx = dataset, config, ctx
         self.n = len(dataset)  # type: ignore[arg-type]
-        if config.drop_last and self.n < ctx.world_size * config.batch_size:
+        if config.drop_last and self.n < ctx.data_world * config.batch_size:
             raise ConfigError(
-                f"--drop_last with --batch_size {config.batch_size} on {ctx.world_size} "
+                f"--drop_last with --batch_size {config.batch_size} on {ctx.data_world} "
                 f"rank(s) drops all {self.n} training samples: lower --batch_size"
             )
         self.steps_per_epoch = steps_per_epoch(
-            self.n, ctx.world_size, config.batch_size, config.grad_accum_steps, config.drop_last
+            self.n, ctx.data_world, config.batch_size, config.grad_accum_steps, config.drop_last
         )
         # A TensorDataset is sliced a batch at a time, in this process or in each worker,
         # instead of collated sample by sample; a user's collate gets samples instead.
@@ -85,7 +85,7 @@ class TrainBatches:
     def plan(self, epoch: int, start: int) -> tuple[torch.Tensor, list[Micro]]:
         cfg, ctx = self.config, self.ctx
         plan = plan_epoch(
-            self.n, ctx.world_size, ctx.rank, cfg.batch_size, cfg.grad_accum_steps,
+            self.n, ctx.data_world, ctx.data_rank, cfg.batch_size, cfg.grad_accum_steps,
             cfg.drop_last, start,
         )
         return epoch_order(self.n, cfg.seed, epoch), plan

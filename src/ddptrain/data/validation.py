@@ -30,7 +30,7 @@ class ShardSampler(torch.utils.data.Sampler[int]):
     """
 
     def __init__(self, n: int, ctx: DistributedContext) -> None:
-        self.indices = range(ctx.rank, n, ctx.world_size)
+        self.indices = range(ctx.data_rank, n, ctx.data_world)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)
@@ -46,7 +46,7 @@ def make_val_loader(
     """`collate`: the user's (`--collate`), given a list of samples."""
     if isinstance(dataset, IterableDataset):
         return make_iterable_loader(dataset, config, ctx, collate=collate)
-    indices = torch.arange(ctx.rank, len(dataset), ctx.world_size)  # type: ignore[arg-type]
+    indices = torch.arange(ctx.data_rank, len(dataset), ctx.data_world)  # type: ignore[arg-type]
     if collate is None:
         dataset = as_sliceable(dataset)
         if isinstance(dataset, ArrayDataset) and config.num_workers == 0:

@@ -98,10 +98,12 @@ def resolve_layout(config: TrainingConfig, world_size: int) -> TrainingConfig:
         changes["output_dir"] = default_output_dir(config)
     g = config.global_batch_size
     if g is not None:
-        per_step = world_size * config.batch_size
+        # Ranks that split a model (--tp, --pp) share their batch: data-parallel ranks.
+        ranks = max(1, world_size // (config.tp * config.pp))
+        per_step = ranks * config.batch_size
         if g % per_step:
             raise ConfigError(
-                f"--global_batch_size {g} is not a multiple of {world_size} rank(s) x "
+                f"--global_batch_size {g} is not a multiple of {ranks} data-parallel rank(s) x "
                 f"--batch_size {config.batch_size} = {per_step}: choose a global batch that "
                 "is, or another --batch_size"
             )

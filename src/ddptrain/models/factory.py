@@ -20,6 +20,13 @@ from ddptrain.models.nets import MLP, MiniResNet
 from ddptrain.plugins import call_factory
 
 
+def model_name(config: TrainingConfig, data: DataBundle) -> str:
+    """The built-in model `--model auto` means for this data, or `--model` itself."""
+    if config.model != "auto":
+        return config.model
+    return "gpt" if data.facts.vocab_size else "miniresnet" if data.is_image else "mlp"
+
+
 def create_model(
     config: TrainingConfig, data: DataBundle, outputs: int | None, device: torch.device,
     task: str | None = None,
@@ -27,9 +34,7 @@ def create_model(
     """Build the model for the data's shape and the task's `outputs` (the width of the
     head), and move it to `device` (DDP does not move it). `task`: the task's name, which
     picks a Hugging Face model's head (`hf:DIR`)."""
-    name = config.model
-    if name == "auto":
-        name = "gpt" if data.facts.vocab_size else "miniresnet" if data.is_image else "mlp"
+    name = model_name(config, data)
     if is_hf_ref(name):
         model = build_hf(name, config.model_args, task, outputs, device)
     elif ":" in name:

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ddptrain.errors import ConfigError
+
 DEFAULT_N_LAYER = 2
 DEFAULT_N_HEAD = 4
 
@@ -55,16 +57,24 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
+        # The heads this module computes, (first, count): all of them, except under tensor
+        # parallelism (`ddptrain.parallel.tp`), where each rank takes its share.
+        self.head_range = (0, config.n_head)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        first, count = self.head_range
+        head_dim = c // self.n_head
         # (B, T, C) -> (B, n_head, T, head_dim): the layout scaled_dot_product_attention takes.
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (
+            z.view(b, t, self.n_head, head_dim)[:, :, first:first + count].transpose(1, 2)
+            for z in (q, k, v)
+        )
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        y = y.transpose(1, 2).contiguous().view(b, t, count * head_dim)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -147,6 +157,16 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+def check_tensor_parallel(tp: int, n_head: int = DEFAULT_N_HEAD) -> None:
+    """Refuse a tensor-parallel degree that does not divide the heads (each rank computes
+    `n_head / tp` of them)."""
+    if n_head % tp:
+        raise ConfigError(
+            f"--tp {tp} does not divide the GPT's {n_head} attention heads: choose a tp "
+            "that does"
+        )
 
 
 def build_gpt(vocab_size: int, block_size: int, width: int) -> GPT:

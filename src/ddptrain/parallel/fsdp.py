@@ -30,6 +30,7 @@ from ddptrain.parallel.base import (
     Strategy,
     count_parameters,
 )
+from ddptrain.parallel.mesh import fsdp_mesh
 
 log = logging.getLogger("ddptrain")
 
@@ -86,6 +87,12 @@ class FSDP(Strategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         kwargs: dict[str, Any] = {"reshard_after_forward": self.config.reshard_after_forward}
+        mesh = fsdp_mesh(self.ctx)
+        if mesh is not None:
+            # Only the data-parallel dimensions: 2-D under HSDP (--dp_replicate), where
+            # each replica's ranks shard the model and the replicas all-reduce gradients;
+            # under tensor parallelism the tp ranks hold different shards already.
+            kwargs["mesh"] = mesh
         if self.param_dtype is not None:
             # Compute in the low precision, reduce gradients and keep the master weights
             # in fp32; autocast stays on for the ops it keeps in fp32 (losses, norms).

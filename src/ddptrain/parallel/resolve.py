@@ -19,6 +19,8 @@ from ddptrain.parallel.base import Strategy
 from ddptrain.parallel.ddp import DDP
 from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.memory import device_memory, implied_bytes, largest_models
+from ddptrain.parallel.mesh import MeshLayout, plan_mesh
+from ddptrain.parallel.tp import TensorParallel
 from ddptrain.parallel.zero import Zero
 
 STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "zero": Zero, "fsdp": FSDP}
@@ -39,10 +41,24 @@ class StrategyChoice:
     cls: type[Strategy]
     device_bytes: int | None = None  # the memory of one rank's device (None: unknown)
     auto_format: bool = False  # --checkpoint_format auto: the kind may follow the size
+    layout: MeshLayout | None = None  # --tp, --dp_replicate: the device mesh's degrees
 
     def rank_bytes(self, parameters: int, slots: int) -> dict[str, int]:
-        """fp32 bytes of parameters, gradients and optimizer state one rank holds."""
-        return implied_bytes(self.name, self.world_size, parameters, slots)
+        """fp32 bytes of parameters, gradients and optimizer state one rank holds (under
+        tp, as if every parameter were split: the whole embeddings and norms are not)."""
+        layout = self.layout or MeshLayout(dp_shard=self.world_size)
+        # fsdp shards over a replica's ranks (HSDP: not across replicas), tp splits layers.
+        sharded_over = layout.dp_shard * layout.tp if self.name == "fsdp" else layout.tp
+        name = "fsdp" if self.name == "fsdp" or layout.tp > 1 else self.name
+        return implied_bytes(name, sharded_over, parameters, slots)
+
+    @property
+    def label(self) -> str:
+        """The name, with the mesh of an n-D layout: `fsdp; dp_replicate 2 x dp_shard 2`."""
+        if self.layout is None:
+            return self.name
+        dims = [d for d in self.layout.describe().split(" x ") if not d.endswith(" 1")]
+        return f"{self.name}; {' x '.join(dims)}"
 
     def checkpoint_kind_for(self, parameters: int, slots: int) -> str:
         """The checkpoint kind for a model of `parameters`: `--checkpoint_format auto`
@@ -102,14 +118,20 @@ def resolve_strategy(
                 f"--fsdp_cpu_offload is invalid on {where}: it moves GPU shards of 2+ ranks "
                 "into CPU memory, and here the parameters already live there; drop the flag"
             )
+    layout = plan_mesh(config, world_size, local_ranks)
     memory = device_memory(device, world_size if local_ranks is None else local_ranks)
     auto = config.checkpoint_format == "auto"
     if world_size == 1:
         return StrategyChoice(SINGLE, 1, config.checkpoint_kind, Strategy, memory, auto)
-    return StrategyChoice(
-        config.strategy, world_size, config.checkpoint_kind, STRATEGIES[config.strategy],
-        memory, auto,
-    )
+    if layout.plain:
+        return StrategyChoice(
+            config.strategy, world_size, config.checkpoint_kind, STRATEGIES[config.strategy],
+            memory, auto,
+        )
+    # An n-D layout shards parameters into DTensors: its checkpoints are DCP directories.
+    cls = TensorParallel if layout.tp > 1 else FSDP
+    kind = "dcp" if config.checkpoint_format == "auto" else config.checkpoint_format
+    return StrategyChoice(config.strategy, world_size, kind, cls, memory, False, layout)
 
 
 def _refuse(flag: str, value: object, strategy: str) -> None:

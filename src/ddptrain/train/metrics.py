@@ -97,6 +97,8 @@ def reduce_snapshots(
     width = snapshots[0].numel()
     control = torch.zeros(width, dtype=torch.float64, device=snapshots[0].device)
     control[0], control[1] = float(flag), seconds
+    if not ctx.counts_data:  # a tensor-parallel peer holds the same sums: counted once
+        snapshots = [torch.zeros_like(s) for s in snapshots]
     buf = torch.stack([*snapshots, control])
     if ctx.distributed:
         dist.all_reduce(buf)

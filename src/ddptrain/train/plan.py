@@ -46,6 +46,7 @@ class RunPlan:
     device_bytes: int | None = None  # one rank's device memory (CPU: the host's share)
     largest: dict[str, int] | None = None  # parameters ddp, zero and fsdp fit in it
     classes: str | None = None  # "10 (dataset.classes)": how many, and who said so
+    data_ranks: int | None = None  # ranks with their own batches, when not every rank (--tp)
 
     @property
     def samples_per_epoch(self) -> int | None:
@@ -59,7 +60,9 @@ def make_plan(
 ) -> RunPlan:
     """`steps`: optimizer steps per epoch as the trainer's batches counted them (derived
     from the data when no trainer exists yet: the dry run)."""
-    cfg, w, b, k = config, world_size, config.batch_size, config.grad_accum_steps
+    cfg, b, k = config, config.batch_size, config.grad_accum_steps
+    # Ranks that split a model (--tp) share one batch: the data is split over the others.
+    w = strategy.layout.data_parallel if strategy.layout else world_size
     try:
         n: int | None = len(data.train)  # type: ignore[arg-type]
     except TypeError:
@@ -73,7 +76,7 @@ def make_plan(
     if cfg.keep_last:
         cadence.append(f"keeping the newest {cfg.keep_last}")
     return RunPlan(
-        world_size=w, strategy=strategy.name,
+        world_size=world_size, strategy=strategy.label, data_ranks=w,
         device=device, backend=backend, precision=precision, task=task,
         parameters=parameters, batch_size=b, accum=k, global_batch=w * b * k,
         train_samples=n, dropped=dropped, batches_per_rank=batches, steps_per_epoch=spe,
@@ -109,7 +112,7 @@ def _n(value: int | float | None) -> str:
 
 def format_plan(plan: RunPlan, config: TrainingConfig) -> str:
     """The plan as lines a person reads top to bottom."""
-    w, b, k = plan.world_size, plan.batch_size, plan.accum
+    w, b, k = plan.data_ranks or plan.world_size, plan.batch_size, plan.accum
     if plan.dropped:
         why = f" (--drop_last: the last {plan.dropped} do not fill a global batch of {w * b})"
     elif config.drop_last:
@@ -119,12 +122,13 @@ def format_plan(plan: RunPlan, config: TrainingConfig) -> str:
     scaling = f" = {plan.base_lr:g} x {w * k} (--scale_lr)" if config.scale_lr else ""
     per_rank = None if plan.train_samples is None else plan.samples_per_epoch
     lines = [
-        f"world size      {w} ({plan.strategy}), {plan.device}, backend {plan.backend}, "
-        f"{plan.precision}",
+        f"world size      {plan.world_size} ({plan.strategy}), {plan.device}, "
+        f"backend {plan.backend}, {plan.precision}",
         f"task            {plan.task}"
         + (f", {plan.classes}" if plan.classes is not None else "")
         + (f", {plan.parameters:,} parameters" if plan.parameters is not None else ""),
-        f"batch           {b} per rank x {k} accumulation step(s) x {w} rank(s) = "
+        f"batch           {b} per rank x {k} accumulation step(s) x {w} "
+        f"{'data-parallel ' if w != plan.world_size else ''}rank(s) = "
         f"{plan.global_batch} samples per optimizer step",
         f"training data   {_n(plan.train_samples)} samples; per epoch {_n(per_rank)} trained, "
         f"{plan.dropped} dropped{why}",

@@ -92,7 +92,7 @@ def _place_schedule(trainer: Trainer, applied: list[str]) -> None:
     thing, so the position comes from epochs and global samples done."""
     cfg, progress = trainer.config, trainer.progress
     groups, sched = trainer.optimizer.param_groups, trainer.scheduler
-    world_size, steps_per_epoch = trainer.ctx.world_size, trainer.steps_per_epoch
+    world_size, steps_per_epoch = trainer.ctx.data_world, trainer.steps_per_epoch
     for group in groups:
         group["weight_decay"] = cfg.weight_decay
         if "momentum" in group:

@@ -57,7 +57,9 @@ from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.trackers import tracker_hooks
 from ddptrain.observe.writer import RunLogError
 from ddptrain.parallel import StrategyChoice, resolve_strategy
+from ddptrain.parallel.base import local_tensor
 from ddptrain.parallel.memory import optimizer_slots
+from ddptrain.parallel.mesh import attach_mesh
 from ddptrain.train.evaluate import Evaluator
 from ddptrain.train.metrics import EpochMeter, MetricSums, reduce_snapshots
 from ddptrain.train.optim import build_scheduler, optimizer_spec, peak_lr
@@ -90,6 +92,7 @@ class Trainer:
     ) -> None:
         """`task`, `precision` and `strategy` come resolved from `ddptrain.fit`; left out
         (a trainer built by hand), they are resolved here from the config."""
+        ctx = attach_mesh(ctx, config)  # --tp, --dp_replicate: the device mesh, built once
         self.config, self.ctx, self.data = config, ctx, data
         device = ctx.device
         self.task = task or resolve_task(config, data.facts)
@@ -108,7 +111,7 @@ class Trainer:
         self.model: Any = self.strategy.setup_module(self.module)  # maybe compiled below
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = self.strategy.build_optimizer(
-            self.module, optimizer_spec(config, peak_lr(config, ctx.world_size))
+            self.module, optimizer_spec(config, peak_lr(config, ctx.data_world))
         )
         warmup_steps = config.warmup_epochs * self.steps_per_epoch
         self.scheduler = build_scheduler(self.optimizer, warmup_steps, self.total_steps)
@@ -198,7 +201,7 @@ class Trainer:
         # Counts known only from the data (tokens, iterable samples): the loss is scaled by
         # a nominal count, and the step rescales by the true global one.
         self.dynamic = self.task.dynamic_count or self.data.iterable
-        self.nominal = float(cfg.batch_size * cfg.grad_accum_steps * ctx.world_size)
+        self.nominal = float(cfg.batch_size * cfg.grad_accum_steps * ctx.data_world)
 
     # ------------------------------------------------------------------ state
     def meta_state(self, meter: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -439,10 +442,10 @@ class Trainer:
         return inputs
 
     def _loss_scale(self, micro: Micro) -> float:
-        # DDP averages gradients over the ranks, hence the factor of world size.
+        # DDP averages gradients over the (data-parallel) ranks, hence their number.
         if self.dynamic:
-            return self.ctx.world_size / self.nominal
-        return self.ctx.world_size / micro.window_samples
+            return self.ctx.data_world / self.nominal
+        return self.ctx.data_world / micro.window_samples
 
     def _new_meter(self) -> EpochMeter:
         meter = EpochMeter(MetricSums(self.task, self.ctx.device), self.progress.step)
@@ -478,10 +481,13 @@ class Trainer:
         """Gradients were scaled by a nominal count; make them the mean over the true
         global count of the window (tokens, or samples of an iterable dataset)."""
         if self.ctx.distributed:
+            if not self.ctx.counts_data:  # a tensor-parallel peer's batch is counted once
+                count = torch.zeros_like(count)
             dist.all_reduce(count)
         # On the device: reading the count would make the host wait for the backward.
         factor = torch.where(count > 0, self.nominal / count, 0.0)
-        grads = [p.grad for p in self.params if p.grad is not None]
+        # Each rank's own part: sharded gradients may live on several meshes (--tp).
+        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, factor.squeeze())
 

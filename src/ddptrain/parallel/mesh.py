@@ -1,0 +1,153 @@
+"""The device mesh: how the ranks of a job are laid out over the ways of parallelism.
+
+    world size = pp x dp_replicate x dp_shard x tp
+
+`plan_mesh` reads the degrees from the config and checks them against the world size
+before any process group starts (one `ConfigError` line each); `attach_mesh` builds the
+`DeviceMesh` once the group is up and gives it to the run's `DistributedContext`, with this
+rank's data-parallel coordinates, which the data, the loss scale and the metric sums use.
+
+The dimensions run from the outermost to the innermost, and ranks next to each other in
+the innermost dimension are neighbours in the launcher's numbering (torchrun and Slurm
+number a node's processes together). So tensor parallelism, which talks at every layer,
+stays inside a node (`LOCAL_WORLD_SIZE` ranks) when `tp` divides it; under HSDP the FSDP
+shards (`dp_shard x tp` ranks) do too, and only the replicas' gradient all-reduce crosses
+nodes. Pipeline stages are the outermost dimension, reserved: only `--pp 1` runs.
+
+    torchrun --nproc_per_node=4 -m ddptrain train --strategy fsdp --dp_replicate 2 ...  # HSDP 2x2
+    torchrun --nproc_per_node=4 -m ddptrain train --strategy fsdp --tp 2 ...            # FSDP x TP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext
+from ddptrain.errors import ConfigError
+
+log = logging.getLogger("ddptrain")
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """The degrees of each mesh dimension; their product is the world size."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that train on different data: replicas x shards."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def plain(self) -> bool:
+        """Data parallelism alone (ddp, zero, fsdp over every rank): no mesh needed."""
+        return self.pp == self.dp_replicate == self.tp == 1
+
+    def describe(self) -> str:
+        parts = [f"{name} {size}" for name, size in zip(DIMS, self.shape, strict=True)]
+        return " x ".join(parts)
+
+
+def plan_mesh(
+    config: TrainingConfig, world_size: int, local_world_size: int | None = None
+) -> MeshLayout:
+    """The layout of `world_size` ranks the config asks for, or a ConfigError naming the
+    numbers that do not fit. Called before any process group starts."""
+    r, t, p = config.dp_replicate, config.tp, config.pp
+    if p > 1:
+        raise ConfigError(
+            f"--pp {p}: pipeline parallelism is not available yet; drop --pp (or use "
+            "--tp / --dp_replicate)"
+        )
+    if config.tp_plan and t == 1:
+        raise ConfigError(
+            f"--tp_plan {config.tp_plan!r} is a tensor-parallel plan and --tp is 1: add "
+            "--tp 2 (or more), or drop the flag"
+        )
+    fixed = r * t * p
+    if world_size % fixed:
+        raise ConfigError(
+            f"world size {world_size} is not dp_replicate {r} x data-parallel shards x "
+            f"tp {t} x pp {p}: {r} x {t} x {p} = {fixed} does not divide {world_size} ranks; "
+            "choose degrees whose product divides the world size"
+        )
+    layout = MeshLayout(pp=p, dp_replicate=r, dp_shard=world_size // fixed, tp=t)
+    if r > 1 and config.strategy != "fsdp":
+        raise ConfigError(
+            f"--dp_replicate {r} is HSDP, replicas of an FSDP-sharded model, and --strategy "
+            f"is {config.strategy!r}: add --strategy fsdp, or drop --dp_replicate"
+        )
+    if t > 1 and config.strategy == "zero":
+        raise ConfigError(
+            f"--tp {t} with --strategy zero is unsupported: use --strategy fsdp (FSDP x TP), "
+            "or ddp when tp takes every rank"
+        )
+    if t > 1 and config.strategy == "ddp" and layout.data_parallel > 1:
+        raise ConfigError(
+            f"--tp {t} on {world_size} ranks leaves {layout.data_parallel} data-parallel "
+            "ranks, and --strategy ddp does not compose with tensor parallelism: add "
+            f"--strategy fsdp (FSDP x TP), or run --tp {world_size}"
+        )
+    local = local_world_size or world_size
+    inner = t * (layout.dp_shard if r > 1 else 1)
+    if not layout.plain and local % inner:
+        what = "tp" if r == 1 else "dp_shard x tp"
+        log.warning(
+            "%s = %d ranks does not divide the %d ranks of a node: those groups cross nodes, "
+            "and their collectives run at network speed", what, inner, local,
+        )
+    return layout
+
+
+def build_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:
+    """The job's DeviceMesh (collective: every rank builds it, after the process group)."""
+    return init_device_mesh(device_type, layout.shape, mesh_dim_names=DIMS)
+
+
+def attach_mesh(ctx: DistributedContext, config: TrainingConfig) -> DistributedContext:
+    """`ctx` with the job's mesh and this rank's data-parallel coordinates; `ctx` itself
+    for data parallelism alone. Collective under an n-D layout."""
+    if not ctx.distributed or ctx.mesh is not None:
+        return ctx
+    layout = plan_mesh(config, ctx.world_size)
+    if layout.plain:
+        return ctx
+    mesh = build_mesh(layout, ctx.device.type)
+    replica, shard = mesh.get_local_rank("dp_replicate"), mesh.get_local_rank("dp_shard")
+    data = (replica * layout.dp_shard + shard, layout.data_parallel)
+    return dataclasses.replace(ctx, mesh=mesh, data_parallel=data)
+
+
+def fsdp_mesh(ctx: DistributedContext) -> DeviceMesh | None:
+    """The mesh FSDP shards over: the data-parallel dimensions (2-D under HSDP: replicas
+    all-reduce, shards reduce-scatter); None: every rank (FSDP's default)."""
+    if ctx.mesh is None:
+        return None
+    if ctx.mesh.size(DIMS.index("dp_replicate")) > 1:
+        return ctx.mesh["dp_replicate", "dp_shard"]
+    return ctx.mesh["dp_shard"]
+
+
+def tp_mesh(ctx: DistributedContext) -> DeviceMesh | None:
+    """The mesh of the ranks that split each layer; None without tensor parallelism."""
+    if ctx.mesh is None or ctx.mesh.size(DIMS.index("tp")) == 1:
+        return None
+    return ctx.mesh["tp"]

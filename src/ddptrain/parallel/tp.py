@@ -1,0 +1,166 @@
+"""`--tp T`: tensor parallelism, each layer split over T ranks that see the same batch,
+composed with FSDP over the data-parallel ranks (FSDP x TP, 2-D; HSDP x TP, 3-D).
+
+    torchrun --nproc_per_node=2 -m ddptrain train --dataset chars --tp 2           # TP alone
+    torchrun --nproc_per_node=4 -m ddptrain train --dataset chars --tp 2 --strategy fsdp
+
+The built-in GPT's plan: in every block the MLP is split Megatron-style (the widening
+projection by columns, the narrowing one by rows: one all-reduce); attention is split by
+heads, each rank computing `n_head / T` of them. Its q, k and v come from one fused
+projection whose rows are all the q heads, then all the k, then all the v, so a row shard
+does not hold whole heads: the projection is split by columns and its output gathered,
+each rank takes its own heads from it, and the output projection is split by rows (one
+all-reduce). The gathered output's gradient is summed over the tp ranks (each holds only
+its heads' part of it). Embeddings, norms and the tied head stay whole on every tp rank
+(plain tensors, identical there), sharded by FSDP over the data-parallel ranks.
+
+Any other model takes a plan of its own: `--tp_plan package.module:fn`, where
+`fn(model, tp_mesh)` parallelizes the model in place (`parallelize_module`).
+
+Every parameter then is a DTensor: the checkpoint's state is the whole model's under its
+own names (`get_state_dict` gathers or reshards), and the gradient norm is the true global
+one, whichever mesh each parameter lives on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from ddptrain.config import TrainingConfig
+from ddptrain.errors import ConfigError
+from ddptrain.parallel.base import ModelBuilder
+from ddptrain.parallel.fsdp import FSDP
+from ddptrain.parallel.mesh import tp_mesh
+from ddptrain.plugins import load_ref
+
+log = logging.getLogger("ddptrain")
+TPPlan = Callable[[nn.Module, DeviceMesh], Any]
+
+
+class TensorParallel(FSDP):
+    """Tensor parallelism over the mesh's `tp` dimension, then FSDP over its data-parallel
+    dimensions (one rank each when tp takes every rank: FSDP then only makes every
+    parameter a DTensor, so all of them clip, checkpoint and export alike).
+
+    The model is built whole on every rank (seeded: the same weights) and each rank keeps
+    its slice; a meta-device start is left to plain fsdp."""
+
+    name = "tp"
+
+    def build_module(self, build: ModelBuilder) -> nn.Module:
+        return build(self.ctx.device)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        mesh = tp_mesh(self.ctx)
+        assert mesh is not None, "TensorParallel runs on a mesh with a tp dimension"
+        plan = tensor_parallel_plan(module, self.config)
+        plan(module, mesh)
+        return super().setup_module(module)
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The global norm over parameters that live on different meshes (tp-split ones on
+        data-parallel x tp, whole ones on data-parallel alone): each group's norm is
+        reduced over its own mesh, then they are combined."""
+        groups: dict[Any, list[nn.Parameter]] = {}
+        for p in params:
+            if p.grad is None:
+                continue
+            g = p.grad
+            key = (g.device_mesh.mesh_dim_names, g.placements) if isinstance(g, DTensor) else None
+            groups.setdefault(key, []).append(p)
+        squares = []
+        for group in groups.values():
+            norm = nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            squares.append(norm.float().square())
+        if not squares:
+            return torch.zeros((), device=self.ctx.device)
+        total = torch.stack(squares).sum().sqrt()
+        for group in groups.values():
+            nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        return total
+
+
+def tensor_parallel_plan(module: nn.Module, config: TrainingConfig) -> TPPlan:
+    """`--tp_plan` when given, the built-in GPT's plan for the built-in GPT; any other
+    model without a plan is a ConfigError."""
+    if config.tp_plan:
+        fn = load_ref(config.tp_plan, "tp_plan")
+        if not callable(fn):
+            raise ConfigError(
+                f"--tp_plan {config.tp_plan!r} is not a function: give fn(model, tp_mesh)"
+            )
+        return fn
+    if _gpt_layout(module):
+        return parallelize_gpt
+    raise ConfigError(
+        f"--tp {config.tp}: ddptrain has a tensor-parallel plan for the built-in GPT only, "
+        f"and this model is a {type(module).__name__}: give --tp_plan package.module:fn, "
+        "fn(model, tp_mesh) calling parallelize_module"
+    )
+
+
+def parallelize_gpt(model: nn.Module, mesh: DeviceMesh) -> None:
+    """The built-in GPT's plan (see the module's docstring)."""
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    heads = int(model.config.n_head)  # type: ignore[union-attr, arg-type]
+    if heads % tp:
+        raise ConfigError(
+            f"--tp {tp} does not divide the GPT's {heads} attention heads: choose a tp "
+            "that does"
+        )
+    group = mesh.get_group()
+    per_rank = heads // tp
+    for block in model.blocks:  # type: ignore[union-attr]
+        parallelize_module(block, mesh, {
+            "attn.c_attn": ColwiseParallel(output_layouts=Replicate()),
+            "attn.c_proj": RowwiseParallel(),
+            "mlp.c_fc": ColwiseParallel(),
+            "mlp.c_proj": RowwiseParallel(),
+        })
+        block.attn.head_range = (rank * per_rank, per_rank)
+        block.attn.c_attn.register_forward_hook(_SumGradHook(group))
+
+
+def _gpt_layout(module: nn.Module) -> bool:
+    """Whether `module` is laid out as the built-in GPT (`ddptrain.models.gpt`): blocks of
+    a fused-qkv attention that can compute a share of its heads, and an MLP."""
+    blocks = getattr(module, "blocks", None)
+    return hasattr(getattr(module, "config", None), "n_head") and bool(blocks) and all(
+        hasattr(b, "attn") and hasattr(b.attn, "head_range") and hasattr(b, "mlp")
+        for b in blocks  # type: ignore[union-attr]
+    )
+
+
+class _SumGradHook:
+    """A forward hook whose output's gradient is summed over `group` in backward."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return _SumGrad.apply(output, self.group)
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the group."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
