@@ -28,11 +28,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain import __version__
-from ddptrain.checkpoint.integrity import checksums, payload_damage, to_cpu
+from ddptrain.checkpoint.integrity import checksums, payload_damage
 from ddptrain.checkpoint.schema import FORMAT, FORMAT_VERSION
 from ddptrain.context import DistributedContext
 from ddptrain.errors import EXIT_IO, ConfigError, TrainingStopped
 from ddptrain.files import staged
+from ddptrain.parallel.base import to_cpu
 
 log = logging.getLogger("ddptrain")
 

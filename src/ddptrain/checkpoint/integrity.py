@@ -46,19 +46,6 @@ def tensors_in(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]
             yield from tensors_in(value, f"{prefix}.{i}" if prefix else str(i))
 
 
-def to_cpu(obj: Any) -> Any:
-    """`obj` with every tensor on the CPU (the copy a save makes anyway, made once)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {key: to_cpu(value) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [to_cpu(value) for value in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_cpu(value) for value in obj)
-    return obj
-
-
 def checksums(state: Any) -> dict[str, list[int]]:
     """[bytes, crc32] of every tensor in `state` (CPU tensors), by path."""
     return {path: tensor_crc(tensor) for path, tensor in tensors_in(state)}

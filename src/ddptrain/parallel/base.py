@@ -207,6 +207,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def to_cpu(obj: Any) -> Any:
+    """`obj` with every tensor on the CPU (the copy a save makes anyway, made once)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {key: to_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [to_cpu(value) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_cpu(value) for value in obj)
+    return obj
+
+
 def nbytes(t: torch.Tensor) -> int:
     local = local_tensor(t)
     return local.numel() * local.element_size()

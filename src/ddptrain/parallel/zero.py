@@ -18,6 +18,7 @@ from ddptrain.parallel.base import (
     init_optimizer_state,
     named_optimizer_state,
     state_bytes,
+    to_cpu,
 )
 from ddptrain.parallel.ddp import DDP
 
@@ -48,7 +49,6 @@ class Zero(DDP):
     def full_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[State, State]:
-        from ddptrain.checkpoint.integrity import to_cpu
         from ddptrain.context import gather_to_main
 
         mine = self._mine(module, optimizer)
