@@ -161,6 +161,7 @@ def _variants(rank: int, base: dict[str, Any], variants: dict[str, dict[str, Any
                 "steps": trainer.progress.step, "bytes": reduced[0],
                 "trainable": sum(p.numel() for p in trainer.params),
                 "lrs": [g["lr"] for g in trainer.optimizer.param_groups],
+                "optimizer": type(trainer.optimizer).__name__,
             }
             del trainer
         clean = True
@@ -213,6 +214,7 @@ def test_ddp_freeze_reduces_only_trained_bytes_and_recompute_changes_nothing(
     assert frozen["bytes"] < plain["bytes"]
     # The user's optimizer and scheduler: zero shards the same optimizer, to ddp's weights.
     user_ddp, user_zero = got["user"], got["user_zero"]
+    assert user_zero["optimizer"] == "ZeroRedundancyOptimizer"
     assert_bitwise(user_zero["after"], user_ddp["after"])
     # grouped's four groups (backbone at 0.1 x --lr), halved every 4 of the 8 steps
     assert user_ddp["lrs"] == pytest.approx([0.001 / 4, 0.001 / 4, 0.01 / 4, 0.01 / 4])
