@@ -6,9 +6,10 @@ and 2 CPU ranks under ddp and fsdp, gloo, one thread each). `make bench` runs it
 
 The model is ddptrain's GPT with 24 blocks (width 64, 4 heads, 256-token windows, 1.2M
 parameters: small weights, many activations) on 64 random token windows, batch 16 per
-rank, AdamW, one epoch (4 optimizer steps on one process, 2 on 2 ranks). Peak memory is the largest `peak_rss_mb` of rank 0's train rows (the
-process's resident high-water mark); glibc runs with a fixed mmap threshold, so a freed
-activation goes back to the system at once and the high-water mark is what was held.
+rank, AdamW, one epoch (4 optimizer steps on one process, 2 on 2 ranks). Peak memory is
+the largest `peak_rss_mb` of rank 0's train rows (the process's resident high-water
+mark); glibc runs with a fixed mmap threshold, so a freed activation goes back to the
+system at once and the high-water mark is what was held.
 The report goes into docs/BENCHMARKS.md between `<!-- recompute:start -->` and
 `<!-- recompute:end -->`.
 """
