@@ -131,7 +131,8 @@ class TrainingConfig:
     fsdp_wrap: str | None = _f(
         None,
         "fsdp: comma-separated module class names sharded one by one (default: the model's "
-        "repeated blocks)",
+        "repeated blocks); with --activation_checkpointing, under any strategy, the blocks "
+        "it recomputes",
     )
     reshard_after_forward: bool = _f(
         True, "fsdp: free gathered parameters after forward (ZeRO-3); no: keep them (ZeRO-2)"
