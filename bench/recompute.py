@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -90,7 +91,10 @@ def section(results: dict[str, Any]) -> str:
         f"{BLOCK}-token windows), batch 16 per rank, AdamW, one epoch, with and "
         "without `--activation_checkpointing`. Peak RSS is rank 0's resident high-water "
         "mark in training (glibc with a fixed mmap threshold, so freed activations leave at "
-        "once); the step time is the median of the train rows after the first.", "",
+        "once); the step time is the median of the train rows after the first"
+        + (f" (1-minute load average at the end: {results['load_1min']:.1f} on "
+           f"{m['cores']} cores, so the times are long; the memory does not depend on it)"
+           if "load_1min" in results else "") + ".", "",
         "| run | peak RSS without (MB) | with (MB) | saved (MB) | step without (s) | with (s) "
         "| val loss without / with |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
@@ -130,6 +134,7 @@ def main() -> int:
                     for key, on in (("off", False), ("on", True))
                 }
                 print(name, results["runs"][name], flush=True)
+        results["load_1min"] = os.getloadavg()[0]  # the step times depend on it, memory not
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(results, indent=1) + "\n")
     results = json.loads(args.results.read_text())
