@@ -100,13 +100,13 @@ class Trainer:
         # FLOPs are counted on a meta-device shadow (no data) taken before the module is
         # wrapped or sharded: an FSDP module cannot be copied. Only GPU rows report them.
         self.flops_model = meta_shadow(self.module)
-        # Wrapped (or sharded in place) before the optimizer sees the parameters: under
-        # fsdp they become shards, and a checkpoint loads into the shards.
         # --freeze and --activation_checkpointing act on the bare module, the same for
         # every strategy (DDP leaves frozen parameters out of its buckets).
         self.frozen = prepare_module(
             self.module, config.freeze, config.activation_checkpointing, config.fsdp_wrap
         )
+        # Wrapped (or sharded in place) before the optimizer sees the parameters: under
+        # fsdp they become shards, and a checkpoint loads into the shards.
         self.model: Any = self.strategy.setup_module(self.module)  # maybe compiled below
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimization = build_optimizer(config, self.module, self.strategy, ctx.world_size)
