@@ -4,9 +4,10 @@ and norms, `--decay_all`), `--optimizer / --scheduler package.module:fn` and
 
 The 2-rank proofs run several trainers in one process group (`_variants`), so a whole
 strategy costs one spawn: the plain run, the same with activation checkpointing (equal
-weights; every block ran its forward once more per training micro-batch), a frozen run
+weights; every block ran its forward once more per training micro-batch) and a frozen run
 (frozen tensors bitwise unchanged; under ddp the gradient bytes reduced per step are
-exactly the trainable ones) and the user's optimizer and scheduler (zero equals ddp).
+exactly the trainable ones). The heavy tier adds the user's optimizer and scheduler
+(zero equals ddp) and their bitwise resume after a SIGKILL under ddp and fsdp.
 """
 
 from __future__ import annotations
@@ -129,8 +130,8 @@ def test_a_checkpoint_of_one_group_resumes_into_the_new_groups(tmp_path: Path) -
 # ---------------------------------------------------------------- 2 ranks, one spawn each
 def _variants(rank: int, base: dict[str, Any], variants: dict[str, dict[str, Any]]) -> Any:
     """Train each variant of `base` in turn on this rank; rank 0 returns, per variant, the
-    initial and final weights, the blocks' forward counts, the steps and the gradient
-    bytes all-reduced (ddp, zero)."""
+    initial and final weights, the blocks' forward counts, the steps, the gradient bytes
+    all-reduced (ddp, zero) and the optimizer's class and learning rates."""
     from torch.nn.parallel import DistributedDataParallel
 
     from ddptrain.data.sources import load_data
@@ -199,11 +200,8 @@ def _check_ac_and_freeze(got: dict[str, Any]) -> None:
 def test_ddp_freeze_reduces_only_trained_bytes_and_recompute_changes_nothing(
     tmp_path: Path,
 ) -> None:
-    user = {"optimizer": "optimplug:grouped", "scheduler": "optimplug:halving",
-            "freeze": ["blocks.3.*"]}
     variants = {
         "plain": {}, "ac": {"activation_checkpointing": True}, "frozen": {"freeze": FROZEN},
-        "user": user, "user_zero": {**user, "strategy": "zero"},
     }
     got = run_ranks(_variants, 2, tmp_path, _base(tmp_path, "ddp"), variants)[0]
     _check_ac_and_freeze(got)
@@ -212,7 +210,18 @@ def test_ddp_freeze_reduces_only_trained_bytes_and_recompute_changes_nothing(
     assert plain["bytes"] == 4 * plain["trainable"] * plain["steps"]
     assert frozen["bytes"] == 4 * frozen["trainable"] * frozen["steps"]
     assert frozen["bytes"] < plain["bytes"]
-    # The user's optimizer and scheduler: zero shards the same optimizer, to ddp's weights.
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_a_user_optimizer_and_scheduler_under_zero_end_with_ddps_weights(
+    tmp_path: Path,
+) -> None:
+    """zero builds the user's optimizer again as a ZeroRedundancyOptimizer over its groups."""
+    user = {"optimizer": "optimplug:grouped", "scheduler": "optimplug:halving",
+            "freeze": ["blocks.3.*"]}
+    variants = {"user": user, "user_zero": {**user, "strategy": "zero"}}
+    got = run_ranks(_variants, 2, tmp_path, _base(tmp_path, "ddp"), variants)[0]
     user_ddp, user_zero = got["user"], got["user_zero"]
     assert user_zero["optimizer"] == "ZeroRedundancyOptimizer"
     assert_bitwise(user_zero["after"], user_ddp["after"])
