@@ -79,3 +79,4 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/run.py --repeats 3
 	$(BENCH_VENV)/bin/python bench/sharding.py
 	$(BENCH_VENV)/bin/python bench/checkpoints.py
+	$(BENCH_VENV)/bin/python bench/recompute.py

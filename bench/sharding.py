@@ -652,13 +652,14 @@ def _resume(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_section(md: Path, text: str) -> None:
-    """Put `text` between the sharding markers of `md` (appended when they are missing)."""
-    block = f"{START_MARK}\n{text}{END_MARK}\n"
+def write_section(md: Path, text: str, start: str = START_MARK, end: str = END_MARK) -> None:
+    """Put `text` between the markers `start` and `end` of `md` (the sharding ones unless
+    told; appended when they are missing)."""
+    block = f"{start}\n{text}{end}\n"
     current = md.read_text() if md.exists() else ""
-    if START_MARK in current and END_MARK in current:
-        head, rest = current.split(START_MARK, 1)
-        tail = rest.split(END_MARK, 1)[1].lstrip("\n")
+    if start in current and end in current:
+        head, rest = current.split(start, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
         md.write_text(head + block + tail)
     else:
         sep = "" if not current or current.endswith("\n\n") else (

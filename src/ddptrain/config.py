@@ -26,6 +26,8 @@ from ddptrain.errors import ConfigError
 BUILTIN_DATASETS = ("breast_cancer", "digits", "diabetes", "synthetic", "chars")
 BUILTIN_MODELS = ("auto", "mlp", "miniresnet", "gpt")
 BUILTIN_TASKS = ("auto", "classification", "regression", "multilabel", "lm")
+BUILTIN_OPTIMIZERS = ("sgd", "adamw")
+BUILTIN_SCHEDULERS = ("cosine",)
 
 __all__ = ["ConfigError", "TrainingConfig", "parse_config"]
 
@@ -91,7 +93,11 @@ class TrainingConfig:
     )
     # Optimisation
     epochs: int = _f(10, "number of epochs")
-    optimizer: Literal["sgd", "adamw"] = _f("sgd", "optimizer")
+    optimizer: str = _f(
+        "sgd",
+        "sgd | adamw | package.module:fn, called fn(config, model, **optimizer_args), "
+        "returning an optimizer over the model's parameters (named as in your model)",
+    )
     lr: float = _f(0.01, "peak learning rate")
     momentum: float = _f(0.9, "SGD momentum")
     weight_decay: float = _f(1e-4, "weight decay")
@@ -125,7 +131,8 @@ class TrainingConfig:
     fsdp_wrap: str | None = _f(
         None,
         "fsdp: comma-separated module class names sharded one by one (default: the model's "
-        "repeated blocks)",
+        "repeated blocks); with --activation_checkpointing, under any strategy, the blocks "
+        "it recomputes",
     )
     reshard_after_forward: bool = _f(
         True, "fsdp: free gathered parameters after forward (ZeRO-3); no: keep them (ZeRO-2)"
@@ -157,6 +164,38 @@ class TrainingConfig:
         False,
         "ddp, zero: the model uses the same parameters on every step (some may never be "
         "used); DDP then skips the per-step search. Not with gradient accumulation",
+    )
+    # Fine-tuning: which parameters train, and how
+    freeze: list[str] = field(
+        default_factory=list,
+        metadata={"help": "GLOB ...: parameters whose names match are not trained (no "
+                  "gradients, not in the optimizer, not reduced); a pattern matching "
+                  "nothing is an error"},
+    )
+    lr_scale: dict[str, float] = field(
+        default_factory=dict,
+        metadata={"help": "GLOB=FACTOR ...: the learning rate of the parameters whose names "
+                  "match, times FACTOR (the first matching pattern counts)", "glob_keys": True},
+    )
+    decay_all: bool = _f(
+        False, "weight decay on every parameter (default: none on biases and normalisation "
+        "weights)",
+    )
+    optimizer_args: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "key=value arguments for a module:fn optimizer"}
+    )
+    scheduler: str = _f(
+        "cosine",
+        "cosine (linear warm-up, then cosine to 0) | package.module:fn, called fn(config, "
+        "optimizer, total_steps=, steps_per_epoch=, warmup_steps=, **scheduler_args), "
+        "stepped once per optimizer step",
+    )
+    scheduler_args: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "key=value arguments for a module:fn scheduler"}
+    )
+    activation_checkpointing: bool = _f(
+        False, "recompute the repeated blocks' activations in backward (the blocks fsdp "
+        "shards; --fsdp_wrap names them): less memory, one more forward of each block",
     )
     # Mixed precision
     use_amp: bool = _f(True, "mixed precision on CUDA; on CPU only with --amp_dtype bfloat16")
@@ -277,6 +316,7 @@ class TrainingConfig:
         if self.tp_plan is not None and not _is_import_ref(self.tp_plan):
             _bad("tp_plan", self.tp_plan, "give package.module:fn, fn(model, tp_mesh)")
         self._validate_dataset()
+        self._validate_finetune()
         if self.collate is not None and not _is_import_ref(self.collate):
             _bad("collate", self.collate, "give package.module:fn, a function of a list of samples")
         if self.model.startswith("hf:"):
@@ -306,6 +346,21 @@ class TrainingConfig:
                 "(or use --strategy zero / fsdp)",
             )
         return self
+
+    def _validate_finetune(self) -> None:
+        if not (self.optimizer in BUILTIN_OPTIMIZERS or _is_import_ref(self.optimizer)):
+            _bad("optimizer", self.optimizer,
+                 f"choose one of {', '.join(BUILTIN_OPTIMIZERS)} or package.module:fn")
+        if not (self.scheduler in BUILTIN_SCHEDULERS or _is_import_ref(self.scheduler)):
+            _bad("scheduler", self.scheduler, "use cosine or package.module:fn")
+        for pattern in self.freeze:
+            if not isinstance(pattern, str) or not pattern:
+                _bad("freeze", pattern, "give glob patterns of parameter names, e.g. 'embed.*'")
+        for pattern, factor in self.lr_scale.items():
+            number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+            if not number or not factor > 0:
+                _bad("lr_scale", f"{pattern}={factor}",
+                     "give GLOB=FACTOR with a positive factor (to train nothing: --freeze)")
 
     def _validate_dataset(self) -> None:
         ds = self.dataset
@@ -393,6 +448,17 @@ def _parse_pair(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def _parse_glob_pair(text: str) -> tuple[str, Any]:
+    """`GLOB=value`: a key that is a pattern of names (`layers.*.bias=0.1`)."""
+    key, sep, value = text.rpartition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected GLOB=VALUE, got {text!r}")
+    try:
+        return key, yaml.safe_load(value) if value else ""
+    except yaml.YAMLError:
+        return key, value
+
+
 class _MergePairs(argparse.Action):
     """`--model_args a=1 b=x --model_args c=2` -> {'a': 1, 'b': 'x', 'c': 2}."""
 
@@ -420,12 +486,21 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainingConfig):
         tp = hints[f.name]
         base, _ = _field_type(tp)
-        default = {} if f.default is dataclasses.MISSING else f.default
+        missing = f.default is dataclasses.MISSING
+        default = f.default_factory() if missing else f.default  # type: ignore[operator]
         help_text = f"{f.metadata['help']} (default: {default})"
         if typing.get_origin(base) is dict:
+            globs = f.metadata.get("glob_keys", False)
             parser.add_argument(
-                f"--{f.name}", type=_parse_pair, nargs="+", action=_MergePairs, default={},
-                metavar="KEY=VALUE", help=help_text,
+                f"--{f.name}", type=_parse_glob_pair if globs else _parse_pair, nargs="+",
+                action=_MergePairs, default={}, metavar="GLOB=VALUE" if globs else "KEY=VALUE",
+                help=help_text,
+            )
+            continue
+        if typing.get_origin(base) is list:
+            parser.add_argument(
+                f"--{f.name}", nargs="+", action="extend", default=[], metavar="GLOB",
+                help=help_text,
             )
             continue
         if base is bool:
@@ -463,6 +538,12 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
             return value
         raise ConfigError(f"{name}: {value!r} in the config file is invalid: use a mapping")
+    if typing.get_origin(base) is list:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        raise ConfigError(f"{name}: {value!r} in the config file is invalid: use a list")
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if base is int and isinstance(value, float) and value.is_integer():

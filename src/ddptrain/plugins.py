@@ -44,17 +44,18 @@ def accepted(fn: Any, offered: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def call_factory(
-    ref: str, what: str, config: Any, user_args: Mapping[str, Any], facts: Mapping[str, Any]
+    ref: str, what: str, config: Any, user_args: Mapping[str, Any], facts: Mapping[str, Any],
+    positional: tuple[Any, ...] = (),
 ) -> Any:
-    """Call the user's `fn(config, **user_args, **facts it accepts)`."""
+    """Call the user's `fn(config, *positional, **user_args, **facts it accepts)`."""
     fn = load_ref(ref, what)
     kwargs = {**accepted(fn, facts), **user_args}
     try:
-        inspect.signature(fn).bind(config, **kwargs)
+        inspect.signature(fn).bind(config, *positional, **kwargs)
     except TypeError as exc:
         raise ConfigError(
             f"--{what} {ref!r} cannot be called with --{what}_args {dict(user_args)}: {exc}"
         ) from None
     except ValueError:
         pass  # no signature to check against: let the call say
-    return fn(config, **kwargs)
+    return fn(config, *positional, **kwargs)

@@ -86,8 +86,14 @@ class Progress:
 #   world size, --batch_size, --grad_accum_steps, --global_batch_size: the data continues
 #       at the next global sample; the schedule is placed where the data is, so it still
 #       ends at its planned end
-#   --model / --width (the weights must fit), --optimizer, --task: refused
-APPLIED = ("lr", "momentum", "weight_decay", "scale_lr", "epochs", "warmup_epochs")
+#   --lr_scale, --decay_all, --optimizer_args: the parameter groups get the new settings
+#       (the state of each parameter continues in whichever group it is in now)
+#   --model / --width (the weights must fit), --optimizer, --scheduler, --freeze, --task:
+#       refused
+APPLIED = (
+    "lr", "momentum", "weight_decay", "scale_lr", "epochs", "warmup_epochs", "lr_scale",
+    "decay_all", "optimizer_args",
+)
 LAYOUT = ("batch_size", "grad_accum_steps", "drop_last", "seed")
 
 
@@ -112,6 +118,15 @@ def refuse_incompatible(
             f"state {current['optimizer']} cannot continue: resume with --optimizer "
             f"{saved['optimizer']}, or start a new run (another --output_dir)"
         )
+    for flag in ("scheduler", "freeze"):  # another schedule's state; other parameters'
+        if flag in saved and saved[flag] != current[flag]:
+            was, now = (" ".join(v) if isinstance(v, list) else v
+                        for v in (saved[flag], current[flag]))
+            raise ConfigError(
+                f"checkpoint {path!r} was trained with --{flag} {was or '(none)'}, not "
+                f"{now or '(none)'}: resume with the same --{flag}, or start a new run "
+                "(another --output_dir)"
+            )
     if payload.get("task", task) != task:
         raise ConfigError(
             f"checkpoint {path!r} was trained for --task {payload['task']}, not {task}: "

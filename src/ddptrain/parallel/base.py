@@ -85,9 +85,20 @@ class Strategy:
         (checkpoints, evaluation) keeps its own parameter names."""
         return torch.compile(model)
 
-    def build_optimizer(self, module: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
+    def build_optimizer(
+        self, module: nn.Module, spec: OptimizerSpec, groups: list[dict[str, Any]] | None = None
+    ) -> torch.optim.Optimizer:
+        """The optimizer `spec` names over `groups` (param groups, each with its own
+        settings), or over every trainable parameter of `module`."""
         cls, kwargs = spec
-        return cls([p for p in module.parameters() if p.requires_grad], **kwargs)
+        params: list[Any] = [p for p in module.parameters() if p.requires_grad]
+        params = groups or params
+        return cls(params, **kwargs)
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """An optimizer the user built over the module's parameters, made this strategy's
+        (zero shards its state; every other strategy uses it as it is)."""
+        return optimizer
 
     # ------------------------------------------------------------------ step
     def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:

@@ -17,8 +17,8 @@ STRATEGY_NAMES = ("ddp", "zero", "fsdp")
 
 def optimizer_slots(config: TrainingConfig) -> int:
     """Tensors of a parameter's size the optimizer keeps: AdamW's two moments, SGD's
-    momentum buffer (none without momentum)."""
-    if config.optimizer == "adamw":
+    momentum buffer (none without momentum); a user's optimizer is counted as Adam-like."""
+    if config.optimizer != "sgd":
         return 2
     return 1 if config.momentum else 0
 

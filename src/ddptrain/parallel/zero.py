@@ -6,6 +6,7 @@ its state leaves and enters keyed by parameter names, like every strategy's.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -29,12 +30,25 @@ class Zero(DDP):
 
     name = "zero"
 
-    def build_optimizer(self, module: nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
+    def build_optimizer(
+        self, module: nn.Module, spec: OptimizerSpec, groups: list[dict[str, Any]] | None = None
+    ) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         cls, kwargs = spec
-        params = [p for p in module.parameters() if p.requires_grad]
+        params: list[Any] = [p for p in module.parameters() if p.requires_grad]
+        params = groups or params
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The same class over the same groups, each rank stepping its share: the
+        optimizer is built again as a ZeroRedundancyOptimizer (before any step, so no
+        state is lost)."""
+        cls = type(optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        groups = [dict(g) for g in optimizer.param_groups]
+        return self.build_optimizer(nn.Module(), (cls, defaults), groups)
 
     def _mine(self, module: nn.Module, optimizer: Any) -> State:
         """This rank's shard of the optimizer state, keyed by parameter name."""

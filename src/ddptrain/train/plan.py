@@ -47,6 +47,8 @@ class RunPlan:
     largest: dict[str, int] | None = None  # parameters ddp, zero and fsdp fit in it
     classes: str | None = None  # "10 (dataset.classes)": how many, and who said so
     data_ranks: int | None = None  # ranks with their own batches, when not every rank (--tp)
+    frozen: int | None = None  # parameters --freeze keeps from training (None: no model yet)
+    groups: tuple[str, ...] = ()  # the optimizer's parameter groups, one line each
 
     @property
     def samples_per_epoch(self) -> int | None:
@@ -56,7 +58,7 @@ class RunPlan:
 def make_plan(
     config: TrainingConfig, data: DataBundle, world_size: int, device: str, backend: str,
     precision: str, task: str, parameters: int | None, strategy: StrategyChoice,
-    steps: int | None = None,
+    steps: int | None = None, frozen: int | None = None, groups: list[str] | None = None,
 ) -> RunPlan:
     """`steps`: optimizer steps per epoch as the trainer's batches counted them (derived
     from the data when no trainer exists yet: the dry run)."""
@@ -87,7 +89,7 @@ def make_plan(
             parameters, optimizer_slots(cfg)
         ),
         device_bytes=strategy.device_bytes, largest=strategy.largest_models(optimizer_slots(cfg)),
-        classes=_classes(data),
+        classes=_classes(data), frozen=frozen, groups=tuple(groups or ()),
     )
 
 
@@ -140,6 +142,13 @@ def format_plan(plan: RunPlan, config: TrainingConfig) -> str:
         f"{_n(plan.warmup_steps)} steps, then cosine to 0",
         f"checkpoints     {plan.checkpoints}",
     ]
+    if plan.frozen is not None and plan.parameters is not None:
+        lines.append(f"trained         {plan.parameters - plan.frozen:,} parameters, "
+                     f"{plan.frozen:,} frozen" + (" (--freeze)" if plan.frozen else ""))
+    if plan.groups:
+        lines.append(f"optimizer       {_optimizer_name(config)}, {len(plan.groups)} "
+                     "parameter group(s):")
+        lines.extend(f"  group {i}       {line}" for i, line in enumerate(plan.groups))
     if plan.rank_bytes is not None:
         lines.insert(2, f"memory          {format_bytes(plan.rank_bytes)} ({plan.strategy})")
     if plan.largest is not None and plan.device_bytes is not None:
@@ -153,6 +162,8 @@ def format_plan(plan: RunPlan, config: TrainingConfig) -> str:
 
 
 def _optimizer_name(config: TrainingConfig) -> str:
+    if config.optimizer not in ("sgd", "adamw"):
+        return config.optimizer
     if config.optimizer == "adamw":
         return "AdamW"
     return "SGD with momentum" if config.momentum else "SGD"

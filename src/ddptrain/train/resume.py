@@ -14,9 +14,11 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
+from torch.optim.lr_scheduler import LambdaLR
+
 from ddptrain.checkpoint.rng import set_rng_state
 from ddptrain.checkpoint.schema import APPLIED, LAYOUT, Progress, changed, refuse_incompatible
-from ddptrain.train.optim import peak_lr
+from ddptrain.parallel.base import hyperparameters
 
 if TYPE_CHECKING:
     from ddptrain.train.trainer import Trainer
@@ -34,7 +36,11 @@ def restore(trainer: Trainer) -> str | None:
     path, payload = found
     current = cfg.to_dict()
     refuse_incompatible(payload, current, trainer.task.name, str(path))
+    # The run's own settings per group (lr, weight decay, ...), before the checkpoint's
+    # overwrite them: the state is the checkpoint's, the settings the run's.
+    fresh = [hyperparameters(g) for g in trainer.optimizer.param_groups]
     trainer.checkpoints.load(path, payload, trainer.module, trainer.optimizer)
+    _regroup(trainer, payload, fresh)
     trainer.model = trainer.strategy.resume_module(
         trainer.model, trainer.module, payload.get("strategy_state") or {}
     )
@@ -43,7 +49,7 @@ def restore(trainer: Trainer) -> str | None:
     trainer.history.update(payload.get("history", {}))
     trainer.hooks.load_state_dict(payload.get("hooks", {}))
     _restore_position(trainer, payload)
-    _place_schedule(trainer, changed(payload.get("config", {}), current, APPLIED))
+    _place_schedule(trainer, changed(payload.get("config", {}), current, APPLIED), payload)
     log.info(
         "resumed from %s: epoch %d done, step %d",
         path, trainer.progress.epoch, trainer.progress.step,
@@ -86,17 +92,38 @@ def _restore_position(trainer: Trainer, payload: dict[str, Any]) -> None:
         )
 
 
-def _place_schedule(trainer: Trainer, applied: list[str]) -> None:
-    """Apply the settings the run is resumed with to the restored optimizer, and put
-    the schedule where the data is: on another layout the step count means another
-    thing, so the position comes from epochs and global samples done."""
+def _regroup(trainer: Trainer, payload: dict[str, Any], fresh: list[dict[str, Any]]) -> None:
+    """Give each parameter group the run's settings again. The state loads by parameter
+    name into whichever group a parameter is in now, so a checkpoint of another grouping
+    (one group, from before biases and norms went without weight decay) continues too."""
+    groups = trainer.optimizer.param_groups
+    for group, settings in zip(groups, fresh, strict=True):
+        group.update(settings)
+    saved = (payload.get("optimizer_state_dict") or {}).get("param_groups")
+    if saved is not None and len(saved) != len(groups):
+        log.warning(
+            "the checkpoint's optimizer has %d parameter group(s), this run %d: each "
+            "parameter's state continues, in the group this run puts it in, with that "
+            "group's settings", len(saved), len(groups),
+        )
+
+
+def _place_schedule(trainer: Trainer, applied: list[str], payload: dict[str, Any]) -> None:
+    """Put the schedule where the data is: on another layout the step count means
+    another thing, so the built-in schedule's position comes from epochs and global
+    samples done. A user's scheduler continues from its own state."""
     cfg, progress = trainer.config, trainer.progress
     groups, sched = trainer.optimizer.param_groups, trainer.scheduler
     world_size, steps_per_epoch = trainer.ctx.data_world, trainer.steps_per_epoch
-    for group in groups:
-        group["weight_decay"] = cfg.weight_decay
-        if "momentum" in group:
-            group["momentum"] = cfg.momentum
+    if cfg.scheduler != "cosine":
+        sched.load_state_dict(payload["scheduler_state_dict"])
+        for group, lr in zip(groups, sched.get_last_lr(), strict=True):
+            group["lr"] = lr
+        if payload.get("world_size") != trainer.ctx.world_size:
+            log.warning("--scheduler %s continues at its own step count (%d), taken on "
+                        "another world size", cfg.scheduler, sched.last_epoch)
+        return
+    assert isinstance(sched, LambdaLR)
     micro = math.ceil(progress.samples_in_epoch / (world_size * cfg.batch_size))
     position = progress.epoch * steps_per_epoch + math.ceil(micro / cfg.grad_accum_steps)
     if not steps_per_epoch or trainer.data.iterable:
@@ -106,7 +133,8 @@ def _place_schedule(trainer: Trainer, applied: list[str]) -> None:
             "resumed on another layout (world size or batch): the schedule continues at "
             "step %d of %d, so it still ends at its planned end", position, trainer.total_steps,
         )
-    sched.base_lrs = [peak_lr(cfg, world_size)] * len(groups)
+    # Each group's own peak: --lr (scaled) times its --lr_scale factor.
+    sched.base_lrs = [g["initial_lr"] for g in groups]
     sched.last_epoch = position
     sched._last_lr = [
         base * fn(position) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)

@@ -60,9 +60,10 @@ from ddptrain.parallel import StrategyChoice, resolve_strategy
 from ddptrain.parallel.base import local_tensor
 from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.parallel.mesh import attach_mesh
+from ddptrain.parallel.parts import prepare_module
 from ddptrain.train.evaluate import Evaluator
 from ddptrain.train.metrics import EpochMeter, MetricSums, reduce_snapshots
-from ddptrain.train.optim import build_scheduler, optimizer_spec, peak_lr
+from ddptrain.train.optim import build_optimizer, build_scheduler
 from ddptrain.train.plan import RunPlan, format_plan, make_plan
 from ddptrain.train.precision import Precision, resolve_precision
 from ddptrain.train.resume import restore
@@ -106,15 +107,20 @@ class Trainer:
         # FLOPs are counted on a meta-device shadow (no data) taken before the module is
         # wrapped or sharded: an FSDP module cannot be copied. Only GPU rows report them.
         self.flops_model = meta_shadow(self.module)
+        # --freeze and --activation_checkpointing act on the bare module, the same for
+        # every strategy (DDP leaves frozen parameters out of its buckets).
+        self.frozen = prepare_module(
+            self.module, config.freeze, config.activation_checkpointing, config.fsdp_wrap
+        )
         # Wrapped (or sharded in place) before the optimizer sees the parameters: under
         # fsdp they become shards, and a checkpoint loads into the shards.
         self.model: Any = self.strategy.setup_module(self.module)  # maybe compiled below
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = self.strategy.build_optimizer(
-            self.module, optimizer_spec(config, peak_lr(config, ctx.data_world))
+        self.optimization = build_optimizer(config, self.module, self.strategy, ctx.data_world)
+        self.optimizer = self.optimization.optimizer
+        self.scheduler = build_scheduler(
+            config, self.optimizer, self.steps_per_epoch, self.total_steps
         )
-        warmup_steps = config.warmup_epochs * self.steps_per_epoch
-        self.scheduler = build_scheduler(self.optimizer, warmup_steps, self.total_steps)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision.scaler)
         self.progress = Progress()
         self._sync_every = min(config.log_interval, FIRST_SYNC_STEPS)
@@ -388,7 +394,7 @@ class Trainer:
             self.config, self.data, self.ctx.world_size, str(self.ctx.device),
             self.ctx.backend or "none", self.precision.describe(), self.task.name,
             sum(p.numel() for p in self.module.parameters()), self.choice,
-            self.steps_per_epoch,
+            self.steps_per_epoch, frozen=self.frozen, groups=self.optimization.lines,
         )
 
     def _save_mid_epoch(self, meter: EpochMeter, totals: list[float], stop: bool) -> None:

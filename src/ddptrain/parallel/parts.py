@@ -1,0 +1,81 @@
+"""Which parts of the model train, and which recompute their activations: applied to the
+user's module before a strategy wraps or shards it, so every strategy sees the same.
+
+    ddptrain train --model gpt --dataset chars --freeze 'embed.*' --activation_checkpointing
+
+`--freeze GLOB ...` turns `requires_grad` off for the parameters whose names (the user
+module's own, whatever the strategy) match: DDP then leaves them out of its buckets, FSDP2
+out of its reduce-scatter, and the optimizer never sees them. `--activation_checkpointing`
+recomputes each repeated block's forward in backward (non-reentrant
+`torch.utils.checkpoint`, which restores the RNG state, so dropout draws the same masks):
+the blocks are the ones fsdp shards one by one (`fsdp_blocks`, or `--fsdp_wrap`). The
+block's `forward` is replaced on the instance, not the block wrapped in another module,
+so parameter names, checkpoints and FSDP's hooks around the block stay as they are.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Iterable
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ddptrain.errors import ConfigError
+from ddptrain.parallel.fsdp import fsdp_blocks
+
+
+def matches(names: Iterable[str], patterns: Iterable[str], flag: str) -> dict[str, list[str]]:
+    """The names each glob pattern matches (`*` crosses dots: `encoder.*` is all of the
+    encoder). A pattern that matches nothing is a ConfigError naming a few names."""
+    names = list(names)
+    found = {p: [n for n in names if fnmatch.fnmatchcase(n, p)] for p in patterns}
+    missing = [p for p, hits in found.items() if not hits]
+    if missing:
+        shown = ", ".join(names[:6]) + (f" ... ({len(names)} in all)" if len(names) > 6 else "")
+        raise ConfigError(
+            f"--{flag} {' '.join(repr(p) for p in missing)} matches no parameter of this "
+            f"model: the names look like {shown}"
+        )
+    return found
+
+
+def freeze(module: nn.Module, patterns: list[str]) -> int:
+    """Stop training the parameters whose names match; returns how many elements are
+    frozen. Tied parameters match under any of their names."""
+    if not patterns:
+        return 0
+    named = list(module.named_parameters(remove_duplicate=False))
+    hits = {n for names in matches([n for n, _ in named], patterns, "freeze").values()
+            for n in names}
+    frozen: dict[int, nn.Parameter] = {}
+    for name, p in named:
+        if name in hits:
+            p.requires_grad_(False)
+            frozen[id(p)] = p
+    return sum(p.numel() for p in frozen.values())
+
+
+def checkpoint_activations(module: nn.Module, wrap: str | None) -> list[nn.Module]:
+    """Make each repeated block recompute its activations in backward; returns the blocks."""
+    blocks = fsdp_blocks(module, wrap)
+    if not blocks:
+        raise ConfigError(
+            "--activation_checkpointing finds no repeated blocks in this model: name their "
+            "class with --fsdp_wrap (e.g. --fsdp_wrap Block), or drop the flag"
+        )
+    for block in blocks:
+        # Instance attribute: nn.Module.__call__ (and FSDP's hooks around it) call it.
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return blocks
+
+
+def prepare_module(module: nn.Module, patterns: list[str], recompute: bool,
+                   wrap: str | None) -> int:
+    """`--freeze` and `--activation_checkpointing` on the bare module, before the strategy
+    wraps or shards it; returns the frozen element count."""
+    frozen = freeze(module, patterns)
+    if recompute:
+        checkpoint_activations(module, wrap)
+    return frozen
