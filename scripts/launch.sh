@@ -17,7 +17,7 @@
 #   RDZV_ID [ddptrain]    job id of the rendezvous: the same on every node, new per job
 #   RDZV_ENDPOINT, RDZV_CONF   host:port of the rendezvous [MASTER_ADDR:MASTER_PORT], and
 #                         extra torchrun --rdzv_conf settings (key=value,...)
-#   JOIN_TIMEOUT          seconds an agent waits for its peers [min(--timeout_s, 45)]: see
+#   JOIN_TIMEOUT          seconds an agent waits for its peers [min(--timeout_s, 40)]: see
 #                         scripts/rdzv.sh
 #   MAX_RESTARTS [0]      torchrun restarts of the worker group after a failure
 #   LOCAL_ADDR            this node's address as the others reach it (torchrun --local_addr)
@@ -133,6 +133,11 @@ exit_file="$(mktemp "${TMPDIR:-/tmp}/ddptrain-exit.XXXXXXXX")"
 export DDPTRAIN_EXIT_FILE="$exit_file"
 "$PYTHON" -m torch.distributed.run "${args[@]}" -m ddptrain "$COMMAND" "$@" &
 child=$!
+watchdog=""
+if [[ "$NNODES" != 1 ]]; then
+    watch_agent "$child" "$conf" "$exit_file"
+    watchdog=$!
+fi
 trap 'kill -TERM "$child" 2>/dev/null' TERM
 trap 'kill -INT "$child" 2>/dev/null' INT
 while :; do
@@ -140,6 +145,7 @@ while :; do
     wait "$child" || rc=$?
     kill -0 "$child" 2>/dev/null || break  # a trap ended `wait` early: wait again
 done
+[[ -n "$watchdog" ]] && kill "$watchdog" 2>/dev/null
 if [[ "$rc" -ne 0 && -s "$exit_file" ]]; then
     rc="$(<"$exit_file")"
 fi

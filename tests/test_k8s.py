@@ -149,7 +149,7 @@ def test_launch_sh_reads_kubeflows_pet_variables(env: dict[str, str], needle: st
     [
         (["--timeout_s", "20"], {}, "join_timeout=20,last_call_timeout=10,read_timeout=20"),
         (["--timeout_s=2.5"], {}, "join_timeout=3,last_call_timeout=3,read_timeout=3"),
-        ([], {}, "join_timeout=45,last_call_timeout=10,read_timeout=45"),  # 600 s default
+        ([], {}, "join_timeout=40,last_call_timeout=10,read_timeout=40"),  # 600 s default
         (["--timeout_s", "20"], {"JOIN_TIMEOUT": "300"},
          "join_timeout=300,last_call_timeout=10,read_timeout=300"),
     ],

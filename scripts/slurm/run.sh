@@ -84,6 +84,8 @@ rm -f "$exit_file"
 export DDPTRAIN_EXIT_FILE="$exit_file"
 trap 'touch "$marker"' TERM
 
+# step.sh stops a torchrun stuck without workers (scripts/rdzv.sh: watch_agent).
+export DDPTRAIN_RDZV_CONF="$(rdzv_timeouts "${args[@]}")"
 echo "ddptrain slurm: job $job restart ${SLURM_RESTART_COUNT:-0}:" \
     "$SLURM_NNODES node(s) x $NPROC_PER_NODE rank(s), rendezvous $head:$port"
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
@@ -91,7 +93,7 @@ srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
     "$PYTHON" -m torch.distributed.run \
     --nnodes="$SLURM_NNODES" --nproc_per_node="$NPROC_PER_NODE" \
     --rdzv_backend=c10d --rdzv_endpoint="$head:$port" --rdzv_id="$SLURM_JOB_ID" \
-    --rdzv_conf="$(rdzv_timeouts "${args[@]}")" \
+    --rdzv_conf="$DDPTRAIN_RDZV_CONF" \
     -m ddptrain "$COMMAND" "${extra[@]}" "${args[@]}" &
 step=$!
 while :; do
