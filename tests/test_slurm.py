@@ -151,8 +151,8 @@ def test_an_array_task_requeues_alone_into_its_own_run_directory(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
     # Two array tasks side by side, one rank each, one --output_dir: each trains into
-    # DIR/task_<index>. Task 0's job id is the array's own, the one that `scontrol requeue`
-    # would take for the whole array: a SIGTERM to its step must requeue task 0 alone.
+    # DIR/task_<index>. One task's job id is the array's own, which `scontrol requeue`
+    # takes for the whole array: a SIGTERM to its step must requeue that task alone.
     out = tmp_path / "sweep"
     env = {"NPROC_PER_NODE": "1", "PYTHON": sys.executable, "DDPTRAIN_ROOT": str(REPO),
            "OMP_NUM_THREADS": "1"}
@@ -170,12 +170,18 @@ def test_an_array_task_requeues_alone_into_its_own_run_directory(
         path = tmp_path / f"task-{index}.log"
         return path.read_text() if path.exists() else ""
 
-    latest = out / "task_0" / "checkpoints" / "latest.pt"
+    # The task that carries the array's own job id (Slurm hands it to one of them).
     deadline = time.monotonic() + 120
-    while not latest.exists():
-        assert time.monotonic() < deadline, f"no checkpoint: {task(0)}\n{log(0)[-3000:]}"
+    while not any(task(i).get("JobId") == str(array) for i in (0, 1)):
+        assert time.monotonic() < deadline, f"{task(0)}\n{task(1)}"
         time.sleep(0.2)
-    slurm.run("scancel", "--signal=TERM", f"{array}_0.0")
+    lead = next(i for i in (0, 1) if task(i).get("JobId") == str(array))
+    other = 1 - lead
+    latest = out / f"task_{lead}" / "checkpoints" / "latest.pt"
+    while not latest.exists():
+        assert time.monotonic() < deadline, f"no checkpoint: {task(lead)}\n{log(lead)[-3000:]}"
+        time.sleep(0.2)
+    slurm.run("scancel", "--signal=TERM", f"{array}_{lead}.0")
     deadline = time.monotonic() + 240
     while not all(task(i).get("JobState") == "COMPLETED" and "summary.json" in {
             p.name for p in (out / f"task_{i}").glob("*")} for i in (0, 1)):
@@ -184,9 +190,9 @@ def test_an_array_task_requeues_alone_into_its_own_run_directory(
         assert not {"FAILED", "CANCELLED", "TIMEOUT"} & set(states), (
             f"{states}\n{log(0)[-3000:]}\n{log(1)[-3000:]}")
         time.sleep(0.5)
-    assert (task(0).get("Restarts"), task(1).get("Restarts")) == ("1", "0")
-    assert f"requeueing job {array}_0 " in log(0), log(0)[-3000:]
-    assert "resumed from" in log(0) and "resumed from" not in log(1)
+    assert (task(lead).get("Restarts"), task(other).get("Restarts")) == ("1", "0")
+    assert f"requeueing job {array}_{lead} " in log(lead), log(lead)[-3000:]
+    assert "resumed from" in log(lead) and "resumed from" not in log(other)
     for i in (0, 1):
         summary = json.loads((out / f"task_{i}" / "summary.json").read_text())
         assert (summary["world_size"], summary["epochs"]) == (1, 3), summary
