@@ -33,13 +33,15 @@ test-fast: $(STAMP)
 test-heavy: $(STAMP) slurm-deps
 	$(PY) -m pytest -q -m heavy
 
-# Slurm and munge for the Slurm tests (tests/test_slurm.py): installed only when missing,
-# and only by root with apt-get; anywhere else nothing happens and those tests skip.
-SLURM_PKGS := slurmctld slurmd slurm-client munge
+# Slurm and munge for the Slurm tests (tests/test_slurm.py), iptables for the network
+# partitions of tests/test_multinode.py: installed only when missing, and only by root with
+# apt-get; anywhere else nothing happens and those tests skip.
+SLURM_PKGS := slurmctld slurmd slurm-client munge iptables
 
 .PHONY: slurm-deps
 slurm-deps:
-	@if ! command -v slurmctld >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
+	@if { ! command -v slurmctld >/dev/null 2>&1 || ! command -v iptables >/dev/null 2>&1; } \
+		&& [ "$$(id -u)" = 0 ] \
 		&& command -v apt-get >/dev/null 2>&1; then \
 		export DEBIAN_FRONTEND=noninteractive; \
 		apt-get install -y -qq --no-install-recommends $(SLURM_PKGS) >/dev/null 2>&1 \

@@ -144,3 +144,56 @@ def test_srun_tasks_without_torchrun_form_one_group(slurm: SlurmCluster, tmp_pat
     assert "ranks      2 on 1 host(s)" in report
     assert re.search(r"rank +1 +local +1 ", report), report
     assert "ok: all 2 ranks reached each other" in report
+
+
+@pytest.mark.heavy
+def test_an_array_task_requeues_alone_into_its_own_run_directory(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    # Two array tasks side by side, one rank each, one --output_dir: each trains into
+    # DIR/task_<index>. One task's job id is the array's own, which `scontrol requeue`
+    # takes for the whole array: a SIGTERM to its step must requeue that task alone.
+    out = tmp_path / "sweep"
+    env = {"NPROC_PER_NODE": "1", "PYTHON": sys.executable, "DDPTRAIN_ROOT": str(REPO),
+           "OMP_NUM_THREADS": "1"}
+    array = slurm.sbatch(
+        SCRIPT, [*TRAIN, "--epochs", "3", "--output_dir", str(out)], env=env,
+        opts=["--array=0-1", "--cpus-per-task=1", f"--output={tmp_path}/task-%a.log",
+              "--job-name=ddptrain-array"], cwd=REPO,
+    )
+
+    def task(index: int) -> dict[str, str]:
+        text = slurm.run("scontrol", "show", "-o", "job", f"{array}_{index}", check=False)
+        return dict(re.findall(r"(\w+)=(\S*)", text))
+
+    def log(index: int) -> str:
+        path = tmp_path / f"task-{index}.log"
+        return path.read_text() if path.exists() else ""
+
+    # The task that carries the array's own job id (Slurm hands it to one of them).
+    deadline = time.monotonic() + 120
+    while not any(task(i).get("JobId") == str(array) for i in (0, 1)):
+        assert time.monotonic() < deadline, f"{task(0)}\n{task(1)}"
+        time.sleep(0.2)
+    lead = next(i for i in (0, 1) if task(i).get("JobId") == str(array))
+    other = 1 - lead
+    latest = out / f"task_{lead}" / "checkpoints" / "latest.pt"
+    while not latest.exists():
+        assert time.monotonic() < deadline, f"no checkpoint: {task(lead)}\n{log(lead)[-3000:]}"
+        time.sleep(0.2)
+    slurm.run("scancel", "--signal=TERM", f"{array}_{lead}.0")
+    deadline = time.monotonic() + 240
+    while not all(task(i).get("JobState") == "COMPLETED" and "summary.json" in {
+            p.name for p in (out / f"task_{i}").glob("*")} for i in (0, 1)):
+        states = [task(i).get("JobState") for i in (0, 1)]
+        assert time.monotonic() < deadline, f"{states}\n{log(0)[-3000:]}\n{log(1)[-3000:]}"
+        assert not {"FAILED", "CANCELLED", "TIMEOUT"} & set(states), (
+            f"{states}\n{log(0)[-3000:]}\n{log(1)[-3000:]}")
+        time.sleep(0.5)
+    assert (task(lead).get("Restarts"), task(other).get("Restarts")) == ("1", "0")
+    assert f"requeueing job {array}_{lead} " in log(lead), log(lead)[-3000:]
+    assert "resumed from" in log(lead) and "resumed from" not in log(other)
+    for i in (0, 1):
+        summary = json.loads((out / f"task_{i}" / "summary.json").read_text())
+        assert (summary["world_size"], summary["epochs"]) == (1, 3), summary
+    assert not (out / "checkpoints").exists()  # nothing trained into the shared directory

@@ -5,7 +5,12 @@
 # Environment: DDPTRAIN_ROOT [the submit directory]  the ddptrain checkout (for .venv)
 #              PYTHON [ROOT/.venv/bin/python, else python3 on PATH]
 #              NPROC_PER_NODE [GPUs on the node; CPU variant: --cpus-per-task, else 1]
-#              RDZV_PORT [29500]   MAX_REQUEUES [3]   COMMAND [train]
+#              RDZV_PORT [29500; in a job array, one derived from the task's job id]
+#              MAX_REQUEUES [3]   COMMAND [train]   JOIN_TIMEOUT (scripts/rdzv.sh)
+#
+# In a job array (sbatch --array) each task is a job of its own: it requeues itself
+# (ARRAYJOB_TASK), and `--output_dir DIR` becomes DIR/task_<array index>, one run directory
+# per task, which that task's requeues resume.
 set -uo pipefail
 
 die() {
@@ -28,7 +33,11 @@ COMMAND="${COMMAND:-train}"
 # Head node: the first host of the allocation. It hosts the rendezvous store.
 head="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 [[ -n "$head" ]] || die "scontrol show hostnames $SLURM_JOB_NODELIST gave no host"
-port="${RDZV_PORT:-29500}"
+# The tasks of an array may share a node: each needs a port of its own.
+default_port=29500
+[[ -n "${SLURM_ARRAY_TASK_ID:-}" ]] && default_port=$((20000 + SLURM_JOB_ID % 10000))
+port="${RDZV_PORT:-$default_port}"
+source "$root/scripts/rdzv.sh"
 
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
     if [[ "${DDPTRAIN_DEVICE:-gpu}" == cpu ]]; then
@@ -47,6 +56,20 @@ if [[ "$COMMAND" == train ]]; then
     # A requeued job continues from its newest checkpoint; a flag given later wins.
     extra=(--resume_from auto)
 fi
+job="$SLURM_JOB_ID"
+args=("$@")
+if [[ -n "${SLURM_ARRAY_TASK_ID:-}" && -n "${SLURM_ARRAY_JOB_ID:-}" ]]; then
+    # `scontrol requeue` takes an array task as ARRAYJOB_TASK; the run directory is the
+    # task's own, so that the tasks never share (or fight over) one.
+    job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"
+    for i in "${!args[@]}"; do
+        if [[ "${args[$i]}" == --output_dir ]] && ((i + 1 < ${#args[@]})); then
+            args[i + 1]="${args[i + 1]%/}/task_$SLURM_ARRAY_TASK_ID"
+        elif [[ "${args[$i]}" == --output_dir=* ]]; then
+            args[i]="${args[$i]%/}/task_$SLURM_ARRAY_TASK_ID"
+        fi
+    done
+fi
 
 # A SIGTERM to the steps (the --signal=TERM@ lead before the time limit, a preemption,
 # `scancel --signal=TERM JOB.0`) is noted by step.sh in this file; one to the batch shell
@@ -61,14 +84,17 @@ rm -f "$exit_file"
 export DDPTRAIN_EXIT_FILE="$exit_file"
 trap 'touch "$marker"' TERM
 
-echo "ddptrain slurm: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}:" \
+# step.sh stops a torchrun stuck without workers (scripts/rdzv.sh: watch_agent).
+export DDPTRAIN_RDZV_CONF="$(rdzv_timeouts "${args[@]}")"
+echo "ddptrain slurm: job $job restart ${SLURM_RESTART_COUNT:-0}:" \
     "$SLURM_NNODES node(s) x $NPROC_PER_NODE rank(s), rendezvous $head:$port"
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
     bash "$root/scripts/slurm/step.sh" "$marker" \
     "$PYTHON" -m torch.distributed.run \
     --nnodes="$SLURM_NNODES" --nproc_per_node="$NPROC_PER_NODE" \
     --rdzv_backend=c10d --rdzv_endpoint="$head:$port" --rdzv_id="$SLURM_JOB_ID" \
-    -m ddptrain "$COMMAND" "${extra[@]}" "$@" &
+    --rdzv_conf="$DDPTRAIN_RDZV_CONF" \
+    -m ddptrain "$COMMAND" "${extra[@]}" "${args[@]}" &
 step=$!
 while :; do
     wait "$step"
@@ -82,9 +108,9 @@ rm -f "$marker"
 
 if [[ "$preempted" -eq 1 && "${SLURM_RESTART_COUNT:-0}" -lt "${MAX_REQUEUES:-3}" ]]; then
     echo "ddptrain slurm: step ended by a preemption signal (exit $rc): requeueing job" \
-        "$SLURM_JOB_ID to resume from its last checkpoint"
+        "$job to resume from its last checkpoint"
     rm -f "$exit_file"
-    scontrol requeue "$SLURM_JOB_ID"
+    scontrol requeue "$job"
     exit 0
 fi
 if [[ -s "$exit_file" ]]; then

@@ -238,6 +238,11 @@ class TrainingConfig:
         1800.0, "how long ranks wait for a checkpoint write before calling the storage "
         "stuck (apart from --timeout_s: a slow save is not a lost peer)",
     )
+    preempt_exit_code: int | None = _f(
+        None,
+        "exit code after a SIGTERM stop and its checkpoint (default: 143 on Kubernetes, "
+        "whose ExitCode restart policy retries 128-255; 75 elsewhere, EX_TEMPFAIL)",
+    )
     # Logging and profiling
     log_interval: int = _f(10, "optimizer steps between train metric lines")
     enable_profiling: bool = _f(False, "record a torch.profiler trace on rank 0")
@@ -306,6 +311,8 @@ class TrainingConfig:
         for name in ("timeout_s", "checkpoint_timeout_s"):
             if not getattr(self, name) > 0:
                 _bad(name, getattr(self, name), "use a positive number of seconds")
+        if self.preempt_exit_code is not None and not 1 <= self.preempt_exit_code <= 255:
+            _bad("preempt_exit_code", self.preempt_exit_code, "use an exit code in 1..255")
         if self.global_batch_size is not None and self.global_batch_size < 1:
             _bad("global_batch_size", self.global_batch_size, "use a whole number of samples")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

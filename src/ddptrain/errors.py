@@ -10,9 +10,13 @@ code each way gets.
 | 74 | a checkpoint, or mid-run the run's log, could not be written; the last checkpoint is intact |
 | 75 | stopped by SIGTERM after writing a checkpoint (at start-up: at once); resume with auto |
 | 130 | stopped by SIGINT (Ctrl-C) after writing a checkpoint |
+| 143 | the same as 75 inside a Kubernetes pod, whose restart policy retries 128-255 only |
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Mapping
 
 EXIT_USAGE = 2
 EXIT_PEER_LOST = 3
@@ -21,6 +25,19 @@ EXIT_WORKER_LOST = 71  # EX_OSERR: the operating system took a process of ours
 EXIT_IO = 74  # EX_IOERR
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later", which is what a requeue does
 EXIT_INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+# 128 + SIGTERM, what a shell reports for a process SIGTERM ended. Kubernetes' `ExitCode`
+# restart policy (PyTorchJob, JobSet) retries exit codes 128-255 and counts 1-127 as a
+# permanent failure, so 75 would end a preempted job there for good.
+EXIT_PREEMPTED_K8S = 143
+
+
+def preempt_exit_code(chosen: int | None, environ: Mapping[str, str] | None = None) -> int:
+    """The code a SIGTERM stop exits with: the one chosen, else 143 inside a Kubernetes pod
+    (every container gets KUBERNETES_SERVICE_HOST), else 75."""
+    if chosen is not None:
+        return chosen
+    environ = os.environ if environ is None else environ
+    return EXIT_PREEMPTED_K8S if environ.get("KUBERNETES_SERVICE_HOST") else EXIT_PREEMPTED
 
 
 class ConfigError(ValueError):

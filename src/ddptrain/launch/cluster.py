@@ -1,8 +1,14 @@
-"""Who this process is in the job: torchrun, then Slurm's srun, then a plain single process.
+"""Who this process is in the job: torchrun, then a pod started directly by a Kubernetes
+operator, then Slurm's srun, then a plain single process.
 
     torchrun --standalone --nproc_per_node=2 -m ddptrain train     # torchrun sets RANK, ...
     srun --ntasks=4 python -m ddptrain train                       # Slurm sets SLURM_PROCID, ...
-    ddptrain train                                                 # neither: world size 1
+    ddptrain train                                                 # none: world size 1
+
+Direct mode: the Kubeflow training operator's PyTorchJob (a pod per rank, the container runs
+`python -m ddptrain train` itself) and Volcano's pytorch plugin give every pod RANK (its index,
+0 on the master), WORLD_SIZE (the pods), MASTER_ADDR and MASTER_PORT, but no LOCAL_RANK: one
+process per pod, local rank 0, alone on its host.
 
 Inside a Slurm batch script that starts torchrun, both sets of variables are present; torchrun's
 describe the worker (SLURM_* describe the torchrun agent), so they win. A task that srun
@@ -24,6 +30,8 @@ from dataclasses import dataclass
 from ddptrain.config import ConfigError
 
 _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+# Set in Volcano's pods by its env and svc plugins (the pytorch plugin turns svc on).
+_VOLCANO_MARKERS = ("VC_TASK_INDEX", "VK_TASK_INDEX")
 # Ports derived from the job id stay in this window: above the well-known and common
 # service ports, below Linux's default ephemeral range (32768+), where an outgoing
 # connection could already hold the port.
@@ -37,7 +45,7 @@ class ClusterEnv:
     rank: int
     local_rank: int
     world_size: int
-    source: str  # "torchrun", "slurm" or "single"
+    source: str  # "torchrun", "direct" (a pod per rank), "volcano", "slurm" or "single"
     master_addr: str | None = None  # where rank 0's store listens (None: world size 1)
     master_port: int | None = None
     nodes: tuple[str, ...] = ()  # Slurm: the step's hosts, as far as they are known
@@ -72,6 +80,8 @@ def read_cluster_env(env: Mapping[str, str] | None = None) -> ClusterEnv:
 def _from_torchrun(env: Mapping[str, str]) -> ClusterEnv:
     present = [v for v in _TORCHRUN_VARS if v in env]
     missing = [v for v in _TORCHRUN_VARS if v not in env]
+    if missing == ["LOCAL_RANK"]:
+        return _direct(env)
     if missing:
         have = ", ".join(f"{v}={env[v]}" for v in present)
         raise ConfigError(
@@ -113,6 +123,40 @@ def _from_torchrun(env: Mapping[str, str]) -> ClusterEnv:
         rank, local_rank, world_size, "torchrun", env.get("MASTER_ADDR"), port,
         local_world_size=max(1, local),
     )
+
+
+def _direct(env: Mapping[str, str]) -> ClusterEnv:
+    """RANK and WORLD_SIZE without LOCAL_RANK: a pod (or host) per rank, as PyTorchJob's
+    direct mode and Volcano's pytorch plugin start them."""
+    fix = "it names this pod's rank among WORLD_SIZE pods; do not set it by hand"
+    world_size = _int_env(env, "WORLD_SIZE", fix)
+    rank = _int_env(env, "RANK", fix)
+    if world_size < 1:
+        raise ConfigError(f"you set WORLD_SIZE={world_size}: it must be at least 1")
+    if not 0 <= rank < world_size:
+        raise ConfigError(
+            f"you set RANK={rank} with WORLD_SIZE={world_size}: RANK must be in "
+            f"0..{world_size - 1} (one process per pod, the pods numbered from 0)"
+        )
+    step_tasks = env.get("SLURM_STEP_NUM_TASKS")
+    if step_tasks and step_tasks != str(world_size):
+        raise ConfigError(
+            f"you set WORLD_SIZE={world_size}, but Slurm started this process as one of "
+            f"SLURM_STEP_NUM_TASKS={step_tasks} tasks: unset RANK and WORLD_SIZE "
+            "(each srun task then takes its rank from Slurm), or start the ranks with torchrun"
+        )
+    port = None
+    if world_size > 1:
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if var not in env:
+                raise ConfigError(
+                    f"RANK={rank} and WORLD_SIZE={world_size} without LOCAL_RANK (one process "
+                    f"per pod) but {var} is not set: export MASTER_ADDR and MASTER_PORT (rank "
+                    "0's pod address and a free port), or launch with torchrun"
+                )
+        port = _int_env(env, "MASTER_PORT", "give a TCP port number")
+    source = "volcano" if any(v in env for v in _VOLCANO_MARKERS) else "direct"
+    return ClusterEnv(rank, 0, world_size, source, env.get("MASTER_ADDR"), port)
 
 
 def _from_slurm(env: Mapping[str, str]) -> ClusterEnv:

@@ -6,7 +6,8 @@ checkpoint. Outside it there is nothing to save, so the process stops at once: t
 signal raises `StoppedOutsideTraining` in the main thread, which unwinds the start as a
 failed start does (the run directory is given back as it was, the process group is torn
 down without waiting for peers) and the run ends with one line and the code of the
-signal: 75 for SIGTERM (a requeue restarts the job), 130 for SIGINT.
+signal: 75 for SIGTERM (a requeue restarts the job; 143 in a Kubernetes pod), 130 for
+SIGINT.
 
 No torch here: the handlers go in before torch is imported, which takes seconds.
 """
@@ -21,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ddptrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from ddptrain.errors import EXIT_INTERRUPTED, preempt_exit_code
 
 
 class StoppedOutsideTraining(KeyboardInterrupt):
@@ -30,7 +31,7 @@ class StoppedOutsideTraining(KeyboardInterrupt):
 
     def __init__(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        self.exit_code = EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED
+        self.exit_code = EXIT_INTERRUPTED if signum == signal.SIGINT else preempt_exit_code(None)
         super().__init__(
             f"stopped by {name} outside the training loop (while the run started or after "
             "it trained): nothing was left half-written; run the same command with "

@@ -2,8 +2,9 @@
 
 None of them stops a rank on the spot: each sets a flag that rides on the next metric
 all-reduce, so every rank stops after the same optimizer step, writes a checkpoint and
-exits with the code of the request (75 for SIGTERM and a lost agent, 130 for SIGINT). A
-second Ctrl-C interrupts at once.
+exits with the code of the request (SIGTERM and a lost agent: `--preempt_exit_code`, by
+default 143 on Kubernetes and 75 elsewhere; 130 for SIGINT). A second Ctrl-C interrupts at
+once.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import signal
 import threading
 from typing import Any
 
-from ddptrain.errors import Interrupted, Preempted, TrainingStopped
+from ddptrain.errors import Interrupted, Preempted, TrainingStopped, preempt_exit_code
 
 log = logging.getLogger("ddptrain")
 AGENT_POLL_S = 1.0  # how often a torchrun worker checks that its agent still lives
@@ -23,7 +24,8 @@ AGENT_POLL_S = 1.0  # how often a torchrun worker checks that its agent still li
 class StopRequest:
     """Catches the signals while training runs (`with StopRequest() as stop:`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, exit_code: int | None = None) -> None:
+        self.preempt_exit_code = preempt_exit_code(exit_code)
         self.requested = False
         self.reason = "SIGTERM"
         self._previous: dict[int, Any] = {}
@@ -63,4 +65,8 @@ class StopRequest:
     def error(self, step: int, saved: bool) -> TrainingStopped:
         what = "after a checkpoint" if saved else "without a checkpoint (the step was skipped)"
         text = f"stopped by {self.reason} at step {step} {what}"
-        return Interrupted(text) if self.reason == "SIGINT" else Preempted(text)
+        if self.reason == "SIGINT":
+            return Interrupted(text)
+        stopped = Preempted(text)
+        stopped.exit_code = self.preempt_exit_code
+        return stopped

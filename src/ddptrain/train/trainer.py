@@ -126,7 +126,7 @@ class Trainer:
         self._sync_every = min(config.log_interval, FIRST_SYNC_STEPS)
         self.steps_done_in_epoch = 0
         self.resumed_meter: dict[str, Any] | None = None
-        self.stop = StopRequest()
+        self.stop = StopRequest(config.preempt_exit_code)
         self.history: dict[str, Any] = {
             "train_time_s": 0.0, "samples": 0, "best": None, "best_epoch": 0
         }
