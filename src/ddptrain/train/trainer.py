@@ -257,8 +257,11 @@ class Trainer:
         weights = self.strategy.model_state(self.module)  # collective under fsdp
         files = {"model.safetensors": weights}
         if self.ema is not None:
-            with self.ema.swapped():
-                averaged = self.strategy.model_state(self.module)
+            with self.ema.swapped():  # copied: a whole module's state is its own tensors
+                averaged = {
+                    k: v.detach().clone()
+                    for k, v in self.strategy.model_state(self.module).items()
+                }
             files["model_ema.safetensors"] = averaged
             if self.config.export_ema:
                 files.update({"model.safetensors": averaged, "model_raw.safetensors": weights})
