@@ -245,13 +245,22 @@ def _finished_summary(run: Resolved, model: Any) -> dict[str, Any] | None:
     if found is None:
         return None
     path, payload = found
-    if payload["epoch"] < config.epochs or payload.get("samples_in_epoch"):
+    stopped = payload.get("history", {}).get("stop")  # a hook finished it (early stopping)
+    unfinished = payload["epoch"] < config.epochs or payload.get("samples_in_epoch")
+    if unfinished and not stopped:
         return None
     _refuse_another_model(run, model, path, payload)
-    log.info(
-        "the run in %s already finished (%d of %d epochs): nothing to do, its files are "
-        "untouched; raise --epochs to train on", config.run_dir, payload["epoch"], config.epochs,
-    )
+    if stopped:
+        log.info(
+            "the run in %s already finished: it stopped early (%s): nothing to do, its "
+            "files are untouched", config.run_dir, stopped["reason"],
+        )
+    else:
+        log.info(
+            "the run in %s already finished (%d of %d epochs): nothing to do, its files "
+            "are untouched; raise --epochs to train on",
+            config.run_dir, payload["epoch"], config.epochs,
+        )
     summary_file = config.run_dir / "summary.json"
     if summary_file.is_file():
         return dict(json.loads(summary_file.read_text()), already_finished=True)

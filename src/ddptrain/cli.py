@@ -48,8 +48,11 @@ def _print_summary(config: TrainingConfig, summary: dict[str, Any]) -> None:
     )
     best_value = summary.get(f"best_val_{best}")
     best_text = f"{best_value:.4f}" if isinstance(best_value, float) else "n/a"
+    epochs = f"{summary['epochs']} epochs"
+    if summary.get("stopped_early"):  # by early stopping, or a hook
+        epochs = f"stopped early after epoch {summary['stopped_at_epoch']} of {epochs}"
     print(
-        f"done: {summary['epochs']} epochs, {summary['steps']} steps on "
+        f"done: {epochs}, {summary['steps']} steps on "
         f"{summary['world_size']} rank(s) in {summary['train_time_s']:.1f}s "
         f"({summary['samples_per_sec']:,.0f} samples/s) | {val} "
         f"(best {best} {best_text}, epoch {summary['best_epoch']}) | run dir {summary['run_dir']}",

@@ -254,6 +254,23 @@ class TrainingConfig:
         "MLFLOW_TRACKING_URI (default: a store in the run directory); wandb to Weights & "
         "Biases (files in <run_dir>/wandb; WANDB_MODE=offline works without a network)",
     )
+    # Early stopping and weight averaging
+    early_stopping: int = _f(
+        0, "finish the run after N epochs without improvement of the task's best "
+        "validation metric (0: off)",
+    )
+    early_stopping_min_delta: float = _f(
+        0.0, "with --early_stopping: the least change of the metric that counts as one"
+    )
+    ema_decay: float | None = _f(
+        None, "keep an exponential moving average of the weights with this decay (e.g. "
+        "0.999), validated each epoch (val ema_* figures) and exported as "
+        "model_ema.safetensors",
+    )
+    export_ema: bool = _f(
+        False, "with --ema_decay: model.safetensors holds the EMA weights (the raw ones go "
+        "to model_raw.safetensors)",
+    )
     seed: int = _f(42, "seed of weights, data split, shuffling and workers")
     dry_run: bool = _f(False, "print the run's plan and resolved config, then exit")
     run_id: str | None = _f(None, "the run's id (set by ddptrain on a fresh start, kept on resume)")
@@ -306,6 +323,7 @@ class TrainingConfig:
                 _bad(name, value, "use a value of 0 or more")
         if not self.lr >= 0:  # 0 trains nothing: the start (--init_from) evaluated as it is
             _bad("lr", self.lr, "use a learning rate of 0 or more, such as 0.01")
+        self._validate_steering()
         if self.val_fraction is not None and not 0 < self.val_fraction < 1:
             _bad("val_fraction", self.val_fraction, "use a fraction between 0 and 1, e.g. 0.2")
         for name in ("timeout_s", "checkpoint_timeout_s"):
@@ -368,6 +386,17 @@ class TrainingConfig:
             if not number or not factor > 0:
                 _bad("lr_scale", f"{pattern}={factor}",
                      "give GLOB=FACTOR with a positive factor (to train nothing: --freeze)")
+
+    def _validate_steering(self) -> None:
+        if self.early_stopping < 0:
+            _bad("early_stopping", self.early_stopping, "use a number of epochs, or 0 (off)")
+        if self.early_stopping_min_delta < 0:
+            _bad("early_stopping_min_delta", self.early_stopping_min_delta,
+                 "use a change of 0 or more")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            _bad("ema_decay", self.ema_decay, "use a decay between 0 and 1, e.g. 0.999")
+        if self.export_ema and self.ema_decay is None:
+            _bad("export_ema", True, "add --ema_decay D: there is no average to export")
 
     def _validate_dataset(self) -> None:
         ds = self.dataset

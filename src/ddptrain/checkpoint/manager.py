@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ddptrain.checkpoint.common import (
     CheckpointError,
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from ddptrain.parallel import Strategy
 
 log = logging.getLogger("ddptrain")
+# Where the EMA weights sit: a step directory's key, a `.pt` file's (whole tensors).
+EMA_KEY = "ema"
+EMA_FILE_KEY = "ema_state_dict"
 
 
 def load_checkpoint(path: Path, device: torch.device, verify: bool = False) -> dict[str, Any]:
@@ -79,6 +83,16 @@ def find_resumable(
                 best = (path, payload)
             break  # newest first: the first whole one is the newest of its kind
     return best
+
+
+def whole_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole copies in host memory of tensors that may be DTensor shards (collective when
+    they are: every rank gathers each, in the same order)."""
+    out = {}
+    for name, t in state.items():
+        whole = t.full_tensor() if isinstance(t, DTensor) else t
+        out[name] = whole.detach().cpu().clone()
+    return out
 
 
 def _same_file(path: Path, others: Sequence[Path]) -> bool:
@@ -178,14 +192,21 @@ class Checkpointer:
     def save(
         self, step: int, meta: dict[str, Any], module: nn.Module,
         optimizer: torch.optim.Optimizer, best: bool = False,
+        averages: dict[str, torch.Tensor] | None = None,
     ) -> Path:
         """Write `meta` (progress, RNG, schedule: plain values) with the model's and the
-        optimizer's state; returns the checkpoint's path."""
+        optimizer's state, and `averages` (the EMA weights, held like the weights) when
+        given; returns the checkpoint's path."""
         if self.sharded is not None:
             model, optim = self.strategy.sharded_state(module, optimizer)
-            return self.sharded.save(step, meta, {"model": model, "optim": optim}, best)
+            state = {"model": model, "optim": optim}
+            if averages is not None:
+                state[EMA_KEY] = averages  # DTensor shards: each rank writes its own
+            return self.sharded.save(step, meta, state, best)
         model, optim = self.strategy.full_state(module, optimizer)
         state = {**meta, "model_state_dict": model, "optimizer_state_dict": optim}
+        if averages is not None:
+            state[EMA_FILE_KEY] = whole_tensors(averages)
         return save_checkpoint(
             self.directory, step, state, self.ctx, self.keep_last, best=best, group=self.group
         )
@@ -206,14 +227,18 @@ class Checkpointer:
 
     def load(
         self, path: Path, payload: dict[str, Any], module: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer, averages: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Load a located checkpoint's weights and optimizer state, whichever strategy and
         world size wrote it: DCP reshards a step directory, a whole state is loaded as it is.
-        The files read are let go afterwards (`forget_reads`)."""
+        `averages`: the EMA tensors a step directory's are loaded into, in place (a `.pt`
+        file holds them whole under `EMA_FILE_KEY`). The files read are let go afterwards
+        (`forget_reads`)."""
         if path.is_dir():
             model, optim = self.strategy.sharded_state(module, optimizer)
-            state = {"model": model, "optim": optim}
+            state: dict[str, Any] = {"model": model, "optim": optim}
+            if averages is not None:
+                state[EMA_KEY] = averages
             load_sharded(path, state)
             self.strategy.load_state(module, optimizer, state["model"], state["optim"], full=False)
         else:

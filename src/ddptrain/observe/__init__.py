@@ -1,6 +1,6 @@
-"""Everything that watches a run without steering it: the `Hook` interface and the hooks
-(metrics file and TensorBoard, console, curves, profiler, MLflow), the figures of a row,
-FLOPs and MFU, and `ddptrain plot`."""
+"""Everything that watches a run: the `Hook` interface (a hook may also steer it, through
+`trainer.steer`) and the hooks (metrics file and TensorBoard, console, curves, profiler,
+MLflow), the figures of a row, FLOPs and MFU, and `ddptrain plot`."""
 
 from __future__ import annotations
 

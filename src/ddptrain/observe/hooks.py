@@ -1,10 +1,15 @@
-"""Step hooks: everything that observes training without steering it.
+"""Step hooks: what observes training, and what steers it.
 
-The trainer calls every hook at the same points: `on_fit_start`, `on_epoch_start`,
-`on_step_end` (after each optimizer step), `on_row` (each train or validation metrics
-row), `on_fit_end` (with the summary) and `close` (always, also after a failure). The
-metrics file, TensorBoard, the console, the progress bar and the profiler are hooks; so
+The trainer calls every hook, on every rank, at the same points: `on_fit_start`,
+`on_epoch_start`, `on_step_end` (after each optimizer step), `on_row` (each train or
+validation metrics row, with its global figures: the same on every rank), `on_fit_end`
+(with the summary) and `close` (always, also after a failure). The metrics file,
+TensorBoard, the console, the progress bar, the profiler and early stopping are hooks; so
 is anything a user passes to `ddptrain.fit(hooks=[...])`.
+
+A hook steers the run through `trainer.steer` (`ddptrain.train.steer.Steering`): ask it
+to stop after this step (`request_stop`: every rank agrees, a checkpoint is written, the
+run ends with 0) or read and set the learning-rate multiplier (`lr_multiplier`).
 """
 
 from __future__ import annotations

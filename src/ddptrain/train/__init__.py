@@ -1,6 +1,7 @@
 """Training: the `Trainer` (building, the loop), its resume (`resume`) and evaluation
 (`evaluate`); what is learned (`tasks`), the optimizer and schedule (`optim`), precision,
-the metric sums (`metrics`), the run's arithmetic (`plan`) and stop requests (`stop`)."""
+the metric sums (`metrics`), the run's arithmetic (`plan`), stop requests (`stop`), what
+hooks may steer (`steer`) and the EMA of the weights (`ema`)."""
 
 from __future__ import annotations
 

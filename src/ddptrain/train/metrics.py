@@ -11,6 +11,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -74,7 +75,7 @@ class MetricSums:
 
     def global_totals(self, ctx: DistributedContext) -> list[float]:
         """Totals summed over every rank so far (see `summarize`). A sync point."""
-        totals, _, _ = reduce_snapshots(ctx, [self.snapshot()], False, 0.0)
+        totals, _, _ = reduce_snapshots(ctx, [self.snapshot()], (), 0.0)
         return totals[-1]
 
     def set(self, totals: list[float]) -> None:
@@ -88,25 +89,30 @@ class MetricSums:
 
 
 def reduce_snapshots(
-    ctx: DistributedContext, snapshots: list[torch.Tensor], flag: bool, seconds: float
-) -> tuple[list[list[float]], bool, float]:
+    ctx: DistributedContext, snapshots: list[torch.Tensor], flags: Sequence[bool],
+    seconds: float,
+) -> tuple[list[list[float]], list[bool], float]:
     """All-reduce several snapshots of one split's sums in one collective, with whether
-    `flag` is set on any rank and the mean of the ranks' `seconds`. Returns the global
-    totals of each snapshot (`names` then samples), the flag and that mean; every rank
-    gets the same values."""
+    each of `flags` is set on any rank (stop requests: as many as a snapshot has fields
+    but one) and the mean of the ranks' `seconds`. Returns the global totals of each
+    snapshot (`names` then samples), the flags and that mean; every rank gets the same
+    values."""
     width = snapshots[0].numel()
+    assert len(flags) < width, "more flags than a row has room for"
     control = torch.zeros(width, dtype=torch.float64, device=snapshots[0].device)
-    control[0], control[1] = float(flag), seconds
+    control[0] = seconds
+    if flags:
+        control[1 : 1 + len(flags)] = torch.tensor([float(f) for f in flags])
     if not ctx.counts_data:  # a tensor-parallel peer holds the same sums: counted once
         snapshots = [torch.zeros_like(s) for s in snapshots]
     buf = torch.stack([*snapshots, control])
     if ctx.distributed:
         dist.all_reduce(buf)
-    *rows, (flags, total_s, *_) = buf.tolist()
+    *rows, (total_s, *set_on) = buf.tolist()
     for values in rows:
         values[1] += values[-2]  # counts kept on the host join those kept on the device
     totals = [[*values[:-2], values[-1]] for values in rows]
-    return totals, flags > 0, total_s / ctx.world_size
+    return totals, [v > 0 for v in set_on[: len(flags)]], total_s / ctx.world_size
 
 
 def peak_rss_mb() -> float:

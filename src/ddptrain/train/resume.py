@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch.optim.lr_scheduler import LambdaLR
 
+from ddptrain.checkpoint.manager import EMA_FILE_KEY
 from ddptrain.checkpoint.rng import set_rng_state
 from ddptrain.checkpoint.schema import APPLIED, LAYOUT, Progress, changed, refuse_incompatible
 from ddptrain.parallel.base import hyperparameters
 
 if TYPE_CHECKING:
+    from ddptrain.train.ema import EMA
     from ddptrain.train.trainer import Trainer
 
 log = logging.getLogger("ddptrain")
@@ -39,7 +41,11 @@ def restore(trainer: Trainer) -> str | None:
     # The run's own settings per group (lr, weight decay, ...), before the checkpoint's
     # overwrite them: the state is the checkpoint's, the settings the run's.
     fresh = [hyperparameters(g) for g in trainer.optimizer.param_groups]
-    trainer.checkpoints.load(path, payload, trainer.module, trainer.optimizer)
+    ema = trainer.ema
+    sharded_ema = ema.state() if ema is not None and path.is_dir() and payload.get("ema") else None
+    trainer.checkpoints.load(path, payload, trainer.module, trainer.optimizer, sharded_ema)
+    if ema is not None and sharded_ema is None:
+        _restore_ema(ema, payload, str(path))
     _regroup(trainer, payload, fresh)
     trainer.model = trainer.strategy.resume_module(
         trainer.model, trainer.module, payload.get("strategy_state") or {}
@@ -50,11 +56,26 @@ def restore(trainer: Trainer) -> str | None:
     trainer.hooks.load_state_dict(payload.get("hooks", {}))
     _restore_position(trainer, payload)
     _place_schedule(trainer, changed(payload.get("config", {}), current, APPLIED), payload)
+    trainer.steer.load_state_dict(payload.get("steer", {}))
     log.info(
         "resumed from %s: epoch %d done, step %d",
         path, trainer.progress.epoch, trainer.progress.step,
     )
     return str(path)
+
+
+def _restore_ema(ema: EMA, payload: dict[str, Any], path: str) -> None:
+    """The EMA weights of a `.pt` checkpoint (whole: each rank keeps its shard); a
+    checkpoint written without them starts the average from the weights it holds."""
+    saved = payload.get(EMA_FILE_KEY)
+    missing = ema.load_full(saved) if saved is not None else ema.names
+    if missing:
+        log.warning(
+            "%s holds no EMA weights for %d parameter(s): their average starts from the "
+            "resumed weights", path, len(missing),
+        )
+        if saved is None:
+            ema.reset()
 
 
 def _restore_position(trainer: Trainer, payload: dict[str, Any]) -> None:

@@ -61,12 +61,14 @@ from ddptrain.parallel.base import local_tensor
 from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.parallel.mesh import attach_mesh
 from ddptrain.parallel.parts import prepare_module
+from ddptrain.train.ema import EMA
 from ddptrain.train.evaluate import Evaluator
 from ddptrain.train.metrics import EpochMeter, MetricSums, reduce_snapshots
 from ddptrain.train.optim import build_optimizer, build_scheduler
 from ddptrain.train.plan import RunPlan, format_plan, make_plan
 from ddptrain.train.precision import Precision, resolve_precision
 from ddptrain.train.resume import restore
+from ddptrain.train.steer import SteeredStop, Steering, steering_hooks
 from ddptrain.train.stop import StopRequest
 from ddptrain.train.tasks import Scorer, Task, head_size, resolve_task
 
@@ -122,6 +124,10 @@ class Trainer:
             config, self.optimizer, self.steps_per_epoch, self.total_steps
         )
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision.scaler)
+        # What hooks may change (a stop, the LR multiplier); the EMA weights, held like
+        # the weights (fsdp: shards).
+        self.steer = Steering(self.optimizer, self.scheduler)
+        self.ema = EMA(self.module, config.ema_decay) if config.ema_decay else None
         self.progress = Progress()
         self._sync_every = min(config.log_interval, FIRST_SYNC_STEPS)
         self.steps_done_in_epoch = 0
@@ -137,7 +143,8 @@ class Trainer:
         )
         self.hooks = Hooks([
             self.writer, Console(), StepProfiler(config, ctx, self.steps_per_epoch),
-            Curves(sync=config.tracker != "none"), *tracker_hooks(config, ctx), *hooks,
+            Curves(sync=config.tracker != "none"), *tracker_hooks(config, ctx),
+            *steering_hooks(config.early_stopping, config.early_stopping_min_delta), *hooks,
         ])
         seed_process(config.seed + ctx.rank)  # per-rank randomness (dropout, user aug.)
         kind = self.choice.checkpoint_kind_for(
@@ -227,6 +234,8 @@ class Trainer:
             "hooks": self.hooks.state_dict(),
             "history": dict(self.history),
             "strategy_state": self.strategy.layout_state(),
+            "steer": self.steer.state_dict(),
+            **({"ema": {"decay": self.ema.decay}} if self.ema is not None else {}),
         }
 
     # ------------------------------------------------------------------ loop
@@ -244,17 +253,21 @@ class Trainer:
             with self.stop:
                 self.hooks.on_fit_start(self)
                 for epoch in range(self.progress.epoch + 1, cfg.epochs + 1):
-                    val = self._epoch(epoch)
+                    try:
+                        val = self._epoch(epoch)
+                    except SteeredStop:
+                        break
+                    if self.steer.agreed:
+                        break
             self.checkpoints.close()
             summary = self._summary(val)
-            weights = self.strategy.model_state(self.module)  # collective under fsdp
+            self._export()
             if ctx.is_main:
-                export_safetensors_state(weights, cfg.run_dir / "model.safetensors")
-                if is_hf_model(self.module):  # also as a save_pretrained directory
-                    source = hf_dir(cfg.model) if is_hf_ref(cfg.model) else None
-                    export_hf_dir(self.module, weights, cfg.run_dir / "hf", source)
                 text = json.dumps(summary, indent=2) + "\n"
                 atomic_write_text(cfg.run_dir / "summary.json", text)
+                if self.steer.agreed:
+                    log.info("stopped early at step %d: %s; best epoch %d",
+                             self.progress.step, self.steer.agreed, summary["best_epoch"])
             self.hooks.on_fit_end(self, summary)
         except BaseException:
             stop_workers(getattr(self.train_batches, "loader", None), self.val_loader)
@@ -265,11 +278,36 @@ class Trainer:
             raise RunLogError(self.writer.failure)
         return summary
 
+    def _export(self) -> None:
+        """`model.safetensors` on rank 0 (and `model_ema.safetensors` with an EMA; with
+        --export_ema that is the main export, the raw weights `model_raw.safetensors`)."""
+        run_dir = self.config.run_dir
+        weights = self.strategy.model_state(self.module)  # collective under fsdp
+        files = {"model.safetensors": weights}
+        if self.ema is not None:
+            with self.ema.swapped():  # copied: a whole module's state is its own tensors
+                averaged = {
+                    k: v.detach().clone()
+                    for k, v in self.strategy.model_state(self.module).items()
+                }
+            files["model_ema.safetensors"] = averaged
+            if self.config.export_ema:
+                files.update({"model.safetensors": averaged, "model_raw.safetensors": weights})
+        if self.ctx.is_main:
+            for name, state in files.items():
+                export_safetensors_state(state, run_dir / name)
+            if is_hf_model(self.module):  # also as a save_pretrained directory
+                source = hf_dir(self.config.model) if is_hf_ref(self.config.model) else None
+                export_hf_dir(self.module, files["model.safetensors"], run_dir / "hf", source)
+
     def _epoch(self, epoch: int) -> dict[str, float]:
         """Train one epoch, validate, checkpoint when due or when it is the best so far."""
         cfg, t0, history = self.config, time.perf_counter(), self.history
         train = self.train_epoch(epoch)
         val = self.evaluate()
+        if self.ema is not None:
+            with self.ema.swapped():
+                val.update({f"ema_{k}": v for k, v in self.evaluate().items() if k != "samples"})
         history["samples"] += train["samples"]
         history["train_time_s"] += time.perf_counter() - t0
         score = val.get(self.task.best, float("nan"))
@@ -282,8 +320,12 @@ class Trainer:
             **{f"train_{k}": v for k, v in train.items() if k != "samples"},
             "epoch_time_s": time.perf_counter() - t0,
         })
+        # A hook's stop, agreed once validation is seen (one small all-reduce an epoch).
+        stop = self.steer.agree(self.ctx)
+        if stop and self.steer.finish:
+            history["stop"] = {"reason": self.steer.agreed, "epoch": epoch}
         due = epoch == cfg.epochs or (cfg.save_every and epoch % cfg.save_every == 0)
-        if (due or improved) and self._may_save():
+        if (due or improved or stop) and self._may_save():
             self._check_logs()
             self.save(best=improved)
         return val
@@ -302,6 +344,8 @@ class Trainer:
             "samples_per_sec": h["samples"] / h["train_time_s"] if h["train_time_s"] else 0.0,
             "bad_steps": self.progress.bad_steps, "first_step_s": self.first_step_s,
             "strategy": self.strategy.name,
+            **({"stopped_early": True, "stop_reason": self.steer.agreed,
+                "stopped_at_epoch": self.progress.epoch} if self.steer.agreed else {}),
             "rank0_bytes": self.strategy.rank_bytes(self.module, self.optimizer),
             **self._checkpoint_figures(),
         }
@@ -342,12 +386,15 @@ class Trainer:
                 sync.rows.append((meter.sums.snapshot(), self._row_head(epoch, meter)))
             save_now = bool(cfg.save_every_steps) and step % cfg.save_every_steps == 0
             # One process needs no agreement: a stop request is acted on at once.
-            alone_stopping = self._stopping() and not self.ctx.distributed
+            requested = self._stopping() or self.steer.requested
+            alone_stopping = requested and not self.ctx.distributed
             if save_now or sync.due(step) or alone_stopping:
-                totals, stop = self._sync(sync, meter)
-                if save_now or stop:
-                    self._save_mid_epoch(meter, totals, stop)
-        totals, stop = self._sync(sync, meter)
+                totals, stop, flags = self._sync(sync, meter)
+                steered = not stop and self.steer.agree(self.ctx, flags)
+                if save_now or stop or steered:
+                    self._save_mid_epoch(meter, totals, stop, steered)
+        # A hook's stop agreed here waits for validation: the epoch ends as any other.
+        totals, stop, _ = self._sync(sync, meter)
         if stop:
             self._save_mid_epoch(meter, totals, stop)
         return meter.sums.summarize(totals)
@@ -360,16 +407,20 @@ class Trainer:
         }
         return head, meter.mark(self.progress.step)
 
-    def _sync(self, sync: Sync, meter: EpochMeter) -> tuple[list[float], bool]:
+    def _sync(
+        self, sync: Sync, meter: EpochMeter
+    ) -> tuple[list[float], bool, tuple[bool, bool]]:
         """One all-reduce of the metric totals at every log point since the last sync and
-        of those now, with the stop request and the ranks' step time: writes those train
-        rows, sets when the next sync is due; returns (the totals now, whether to stop)."""
+        of those now, with the stop requests and the ranks' step time: writes those train
+        rows, sets when the next sync is due; returns (the totals now, whether a signal
+        stops the run, the hooks' (stop, finish) flags of all ranks)."""
         step, now = self.progress.step, time.perf_counter()
         steps = step - sync.step
         step_s = (now - sync.t) / steps if steps else 0.0
         snapshots = [snap for snap, _ in sync.rows] + [meter.sums.snapshot()]
-        totals, stop, mean_step_s = reduce_snapshots(
-            self.ctx, snapshots, self._stopping(), step_s
+        totals, (stop, steer, finish), mean_step_s = reduce_snapshots(
+            self.ctx, snapshots, (self._stopping(), self.steer.requested, self.steer.finish),
+            step_s,
         )
         for (_, (head, mark)), row_totals in zip(sync.rows, totals, strict=False):
             row = {**head, **meter.row(row_totals, mark)}
@@ -381,7 +432,7 @@ class Trainer:
         if steps and mean_step_s > 0:  # the same on every rank: it was all-reduced
             self._sync_every = max(1, min(MAX_SYNC_STEPS, round(SYNC_EVERY_S / mean_step_s)))
         sync.restart(step, self._sync_every)
-        return totals[-1], stop
+        return totals[-1], stop, (steer, finish)
 
     def _first_step_done(self) -> None:
         self.first_step_s = time.perf_counter() - self._t_fit
@@ -397,16 +448,22 @@ class Trainer:
             self.steps_per_epoch, frozen=self.frozen, groups=self.optimization.lines,
         )
 
-    def _save_mid_epoch(self, meter: EpochMeter, totals: list[float], stop: bool) -> None:
+    def _save_mid_epoch(
+        self, meter: EpochMeter, totals: list[float], stop: bool, steered: bool = False
+    ) -> None:
         """Checkpoint with the epoch's running totals; on an agreed stop, end the run."""
         self._check_logs()
+        if steered and self.steer.finish:
+            self.history["stop"] = {"reason": self.steer.agreed, "step": self.progress.step}
         saved = self._may_save()
         if saved:
             self.save({"totals": totals, "logged": meter.logged})
-        if stop:
+        if stop or steered:
             self.checkpoints.wait()  # the stop's checkpoint is on disk before the run ends
         if stop:
             raise self.stop.error(self.progress.step, saved)
+        if steered:
+            raise SteeredStop(self.steer.agreed)
 
     def _stopping(self) -> bool:
         """A stop to agree on at the next sync: a signal, or a log that rank 0 cannot write."""
@@ -479,8 +536,11 @@ class Trainer:
         if good:
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            if self.ema is not None:
+                self.ema.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        self.steer.apply()  # a hook's LR multiplier, on the rates just scheduled
         return good
 
     def _rescale_to_global_count(self, count: torch.Tensor) -> None:
@@ -504,7 +564,8 @@ class Trainer:
     def save(self, meter: dict[str, Any] | None = None, best: bool = False) -> None:
         """Checkpoint the run where it stands (collective)."""
         path = self.checkpoints.save(
-            self.progress.step, self.meta_state(meter), self.module, self.optimizer, best
+            self.progress.step, self.meta_state(meter), self.module, self.optimizer, best,
+            self.ema.state() if self.ema is not None else None,
         )
         log.info(
             "checkpoint %s%s%s", path, " (best so far)" if best else "",

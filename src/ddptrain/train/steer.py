@@ -1,0 +1,171 @@
+"""What a hook may change in a run: stop it after this step, and scale its learning rate.
+
+Every hook gets the trainer; `trainer.steer` is this module's `Steering`:
+
+    class StopAtStep(ddptrain.Hook):
+        def on_step_end(self, trainer):
+            if trainer.progress.step == 7:
+                trainer.steer.request_stop("enough")       # after this step, on every rank
+        def on_row(self, trainer, row):                       # global figures, every rank
+            if row["split"] == "val" and row["loss"] > 1.0:
+                trainer.steer.lr_multiplier = 0.5             # from the next step on
+
+A stop request is made on one rank or several; it rides on the metric all-reduce the
+trainer already makes (about every 2 s, and after each validation), so every rank stops
+after the same optimizer step and no step waits for the host. A request made in
+`on_step_end` on a single process is acted on at once; under several ranks at the next
+sync point (the first is due after `--log_interval` steps). Then a checkpoint is written,
+the export and `summary.json` as at a normal end (with `stop_reason`), and the run exits
+with 0. `request_stop(..., finish=True)` also marks the run finished: a resume of it
+has nothing to do (early stopping); without it a resume carries on from the next step.
+
+The learning-rate multiplier scales the warm-up/cosine schedule from the next optimizer
+step on; it is kept in every checkpoint. Hooks run on every rank with the same rows, so a
+decision taken from them is the same everywhere; set it alike on every rank.
+
+`EarlyStopping` (`--early_stopping N`) is such a hook.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.lr_scheduler import LRScheduler
+
+from ddptrain.context import DistributedContext
+from ddptrain.observe.hooks import Hook
+
+if TYPE_CHECKING:
+    from ddptrain.train.trainer import Trainer
+
+log = logging.getLogger("ddptrain")
+
+
+class SteeredStop(Exception):
+    """Raised inside the loop once every rank agreed to a hook's stop and the checkpoint
+    is written: the run ends as a finished one (export, summary, exit 0)."""
+
+
+class Steering:
+    """The run's controls for hooks: a stop request and the learning-rate multiplier."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler) -> None:
+        self._optimizer, self._scheduler = optimizer, scheduler
+        self._multiplier = 1.0
+        self._scaled = False  # are the rates scaled now?
+        self.reason: str | None = None  # this rank's request, if any
+        self.finish = False
+        self.agreed: str | None = None  # the reason of the stop every rank agreed to
+
+    # ------------------------------------------------------------------ stop
+    def request_stop(self, reason: str, finish: bool = False) -> None:
+        """Stop the run after this step (on every rank, at the next sync point). `finish`:
+        the run is over; a resume of it has nothing to do."""
+        if self.reason is None:
+            self.reason = reason
+        self.finish = self.finish or finish
+
+    @property
+    def requested(self) -> bool:
+        return self.reason is not None
+
+    def agree(self, ctx: DistributedContext, flags: tuple[bool, bool] | None = None) -> bool:
+        """Whether any rank asked to stop; every rank gets the same answer. `flags`: the
+        (stop, finish) flags as already all-reduced with the metrics; without them one
+        small all-reduce of its own (at an epoch's end: once an epoch, not a step)."""
+        if flags is None:
+            flags = (self.requested, self.finish)
+            if ctx.distributed:
+                both = torch.tensor([float(f) for f in flags], device=ctx.device)
+                dist.all_reduce(both, op=dist.ReduceOp.MAX)
+                stop, finish = both.tolist()
+                flags = (stop > 0, finish > 0)
+        if not flags[0]:
+            return False
+        self.finish = flags[1]
+        self.agreed = self.reason or "a stop requested by a hook on another rank"
+        return True
+
+    # ------------------------------------------------------------------ learning rate
+    @property
+    def lr_multiplier(self) -> float:
+        """The factor on the scheduled learning rate (1.0 unless a hook set it)."""
+        return self._multiplier
+
+    @lr_multiplier.setter
+    def lr_multiplier(self, value: float) -> None:
+        if not value >= 0:
+            raise ValueError(f"lr_multiplier {value!r} is invalid: use a factor of 0 or more")
+        self._multiplier = float(value)
+        self.apply()
+
+    def apply(self) -> None:
+        """Put the multiplier on the schedule's current rates (after each schedule step;
+        the schedule computes each rate afresh, so factors never compound)."""
+        if self._multiplier == 1.0 and not self._scaled:
+            return
+        for group, lr in zip(
+            self._optimizer.param_groups, self._scheduler.get_last_lr(), strict=True
+        ):
+            group["lr"] = lr * self._multiplier
+        self._scaled = self._multiplier != 1.0
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr_multiplier": self._multiplier}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._multiplier = float(state.get("lr_multiplier", 1.0))
+        self.apply()
+
+
+class EarlyStopping(Hook):
+    """`--early_stopping N`: finish the run once the task's best metric has not improved
+    by more than `min_delta` for `patience` validations in a row. Its decision is taken
+    from the global validation row, the same on every rank; the trainer still agrees on
+    it, so no rank ever stops alone."""
+
+    def __init__(self, patience: int, min_delta: float = 0.0) -> None:
+        self.patience, self.min_delta = patience, min_delta
+        self.best: float | None = None
+        self.best_epoch = 0
+        self.waited = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_epoch": self.best_epoch, "waited": self.waited}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.best_epoch = state.get("best"), int(state.get("best_epoch", 0))
+        self.waited = int(state.get("waited", 0))
+
+    def on_row(self, trainer: Trainer, row: dict[str, Any]) -> None:
+        if row["split"] != "val":
+            return
+        name, mode = trainer.task.best, trainer.task.mode
+        score = row.get(name, float("nan"))
+        if self.best is None or _improves(score, self.best, mode, self.min_delta):
+            self.best, self.best_epoch, self.waited = score, row["epoch"], 0
+            return
+        self.waited += 1
+        if self.waited >= self.patience:
+            trainer.steer.request_stop(
+                f"early stopping: val {name} did not improve for {self.waited} epochs "
+                f"(best {self.best:.6g} at epoch {self.best_epoch})",
+                finish=True,
+            )
+
+
+def _improves(score: float, best: float, mode: str, min_delta: float) -> bool:
+    if score != score:  # NaN never improves
+        return False
+    if best != best:
+        return True
+    return score > best + min_delta if mode == "max" else score < best - min_delta
+
+
+def steering_hooks(patience: int, min_delta: float) -> list[Hook]:
+    """The hooks the config asks for: `--early_stopping N` (every rank)."""
+    return [EarlyStopping(patience, min_delta)] if patience else []

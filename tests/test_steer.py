@@ -1,0 +1,240 @@
+"""Hooks that steer a run (a stop every rank agrees to, the LR multiplier), early
+stopping built as such a hook, and the EMA of the weights (updated, exported, resumed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import run_torchrun
+from dist_utils import run_ranks
+from procs import assert_bitwise, assert_same_log, sigkill_then_resume, weights
+from safetensors.torch import load_file
+from steerplug import HalveLR, Record, StopAt
+from torch.optim.lr_scheduler import LambdaLR
+
+from ddptrain import fit
+from ddptrain.checkpoint import list_checkpoints, load_checkpoint
+from ddptrain.cli import main
+from ddptrain.train.optim import warmup_cosine
+from ddptrain.train.steer import EarlyStopping, Steering
+
+CPU = torch.device("cpu")
+
+
+def _settings(data: Path, run: Path, **more: Any) -> dict[str, Any]:
+    return {
+        "dataset": str(data), "width": 16, "batch_size": 16, "lr": 0.1,
+        "epochs": 2, "log_interval": 5, "tensorboard": False, "output_dir": str(run), **more,
+    }
+
+
+def _rows(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------- pure logic
+class _Trainer:
+    """What EarlyStopping reads of a trainer."""
+
+    def __init__(self) -> None:
+        self.task = type("T", (), {"best": "accuracy", "mode": "max"})()
+        self.steer = Steering(*_optimizer())
+
+
+def _optimizer() -> tuple[torch.optim.Optimizer, LambdaLR]:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    return opt, LambdaLR(opt, lambda step: 1.0 / (step + 1))
+
+
+def test_early_stopping_counts_epochs_without_an_improvement_beyond_min_delta() -> None:
+    trainer, hook = _Trainer(), EarlyStopping(patience=2, min_delta=0.01)
+    for epoch, acc in enumerate([0.5, 0.6, 0.605, 0.7, 0.7, 0.705], start=1):
+        hook.on_row(trainer, {"split": "train", "epoch": epoch})  # train rows do not count
+        hook.on_row(trainer, {"split": "val", "epoch": epoch, "accuracy": acc})
+        assert trainer.steer.requested == (epoch == 6), epoch
+    assert (hook.best, hook.best_epoch) == (0.7, 4) and trainer.steer.finish
+    assert "did not improve for 2 epochs (best 0.7 at epoch 4)" in str(trainer.steer.reason)
+    again = EarlyStopping(2)
+    again.load_state_dict(hook.state_dict())
+    assert again.state_dict() == hook.state_dict()
+
+
+def test_lr_multiplier_scales_each_scheduled_rate_and_is_kept_in_the_state() -> None:
+    opt, sched = _optimizer()
+    steer = Steering(opt, sched)
+    steer.lr_multiplier = 0.5
+    assert opt.param_groups[0]["lr"] == 0.5  # at once, on the current rate
+    for step in (1, 2):
+        opt.step()
+        sched.step()
+        steer.apply()
+        assert opt.param_groups[0]["lr"] == 0.5 / (step + 1)  # never compounded
+    steer.lr_multiplier = 1.0
+    assert opt.param_groups[0]["lr"] == 1.0 / 3
+    steer.lr_multiplier = 0.25
+    fresh_opt, fresh_sched = _optimizer()
+    for _ in (1, 2):
+        fresh_opt.step()
+        fresh_sched.step()
+    fresh = Steering(fresh_opt, fresh_sched)
+    fresh.load_state_dict(steer.state_dict())
+    assert fresh_opt.param_groups[0]["lr"] == 0.25 / 3
+    with pytest.raises(ValueError, match="lr_multiplier -1"):
+        steer.lr_multiplier = -1
+
+
+# ---------------------------------------------------------------- one process
+def test_hook_stop_at_step_7_checkpoints_there_and_a_resume_goes_on_at_step_8(
+    tmp_path: Path, npz400: Path
+) -> None:
+    run = tmp_path / "run"
+    summary = fit(hooks=[StopAt(step=7)], **_settings(npz400, run))
+    assert summary["steps"] == 7 and summary["stopped_early"]
+    assert summary["stop_reason"] == "asked at step 7"
+    assert json.loads((run / "summary.json").read_text())["stop_reason"] == "asked at step 7"
+    assert (run / "model.safetensors").is_file()
+    newest = load_checkpoint(list_checkpoints(run / "checkpoints")[0], CPU)
+    assert newest["step"] == 7 and newest["samples_in_epoch"] == 7 * 16
+    record = Record()
+    resumed = fit(hooks=[record], **_settings(npz400, run, resume_from="auto"))
+    assert record.steps[0] == 8 and resumed["steps"] == 40 and "stopped_early" not in resumed
+
+
+def test_lr_multiplier_set_by_a_hook_reaches_the_optimizer(tmp_path: Path, npz400: Path) -> None:
+    record = Record()
+    fit(hooks=[HalveLR(step=3), record], **_settings(npz400, tmp_path / "r", epochs=1))
+    # the rate each step leaves for the next: 0.1 x the schedule (x 1/2 from step 3 on)
+    schedule = warmup_cosine(0, 20)
+    want = [0.1 * schedule(step) * (0.5 if step >= 3 else 1.0) for step in range(1, 21)]
+    assert record.lrs == pytest.approx(want, rel=1e-12)
+
+
+def test_early_stopping_with_lr_0_ends_after_epoch_3_and_a_resume_has_finished(
+    tmp_path: Path, npz400: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    args = ["train", "--dataset", str(npz400), "--model", "mlp", "--width", "16",
+            "--batch_size", "32", "--epochs", "8", "--lr", "0", "--early_stopping", "2",
+            "--no-tensorboard", "--output_dir", str(run)]
+    assert main(args) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_early"] and summary["stopped_at_epoch"] == 3
+    assert summary["best_epoch"] == 1 and "early stopping" in summary["stop_reason"]
+    assert [r["epoch"] for r in _rows(run) if r["split"] == "val"] == [1, 2, 3]
+    assert (run / "model.safetensors").is_file()
+    newest = load_checkpoint(list_checkpoints(run / "checkpoints")[0], CPU)
+    assert newest["epoch"] == 3
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("done: stopped early after epoch 3 of 8 epochs")
+    assert "(best accuracy" in out[-1] and "epoch 1)" in out[-1]
+    assert main([*args, "--resume_from", "auto"]) == 0
+    assert "already finished: it stopped early (early stopping" in capsys.readouterr().out
+    assert len(list_checkpoints(run / "checkpoints")) == 3  # nothing trained
+
+
+def test_exported_ema_equals_an_ema_computed_by_hand_from_every_steps_weights(
+    tmp_path: Path, npz400: Path
+) -> None:
+    decay, run, record = 0.8, tmp_path / "run", Record(weights=True)
+    fit(hooks=[record], **_settings(npz400, run, ema_decay=decay, export_ema=True, epochs=1))
+    assert len(record.params) == 1 + 20  # the start, then 320 / 16 steps
+    by_hand = {n: t.double() for n, t in record.params[0].items()}
+    for step in record.params[1:]:
+        by_hand = {n: decay * by_hand[n] + (1 - decay) * step[n].double() for n in by_hand}
+    exported = load_file(str(run / "model_ema.safetensors"))
+    raw = load_file(str(run / "model_raw.safetensors"))
+    assert exported.keys() == by_hand.keys()
+    for name, value in by_hand.items():
+        torch.testing.assert_close(exported[name].double(), value, rtol=0, atol=1e-6)
+        assert not torch.allclose(exported[name], raw[name])  # not the weights themselves
+        assert torch.equal(raw[name], record.params[-1][name])
+    assert_bitwise(weights(run), exported)  # --export_ema: the average is the main export
+    val = [r for r in _rows(run) if r["split"] == "val"][-1]
+    assert {"ema_loss", "ema_accuracy"} <= val.keys() and val["ema_loss"] != val["loss"]
+
+
+# ---------------------------------------------------------------- two ranks
+def _stop_on_rank_0(rank: int, data: str, run: str, resume: bool) -> dict[str, Any]:
+    record = Record()
+    hooks = [record] if resume else [StopAt(step=7, rank=0), record]
+    settings = _settings(Path(data), Path(run), log_interval=7, epochs=1)
+    summary = fit(hooks=hooks, resume_from="auto" if resume else None, **settings)
+    return {"summary": summary, "steps": record.steps, "rows": record.rows}
+
+
+@pytest.mark.slow
+def test_a_stop_asked_on_one_rank_ends_every_rank_at_that_step(
+    tmp_path: Path, npz400: Path
+) -> None:
+    # 320 train samples on 2 ranks x 16: 10 steps; the first sync is at --log_interval 7
+    run = tmp_path / "run"
+    ranks = run_ranks(_stop_on_rank_0, 2, tmp_path, str(npz400), str(run), False)
+    for got in ranks:
+        assert got["steps"] == list(range(1, 8)) and got["summary"]["steps"] == 7
+    assert ranks[0]["summary"]["stop_reason"] == "asked at step 7"
+    # every rank's hooks see the same global figures (timings are each rank's own)
+    figures = [[{k: r[k] for k in ("step", "loss", "accuracy", "samples")} for r in got["rows"]]
+               for got in ranks]
+    assert figures[0] == figures[1] and figures[0][0]["samples"] == 7 * 32
+    newest = load_checkpoint(list_checkpoints(run / "checkpoints")[0], CPU)
+    assert newest["step"] == 7
+    ranks = run_ranks(_stop_on_rank_0, 2, tmp_path, str(npz400), str(run), True)
+    for got in ranks:
+        assert got["steps"] == [8, 9, 10] and "stopped_early" not in got["summary"]
+
+
+def _stop_on_rank_1_at_epoch_1(rank: int, data: str, run: str) -> dict[str, Any]:
+    return fit(hooks=[StopAt(epoch=1, rank=1, finish=True)], **_settings(Path(data), Path(run)))
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_early_stopping_on_two_ranks_and_never_a_rank_alone(
+    tmp_path: Path, npz400: Path
+) -> None:
+    args = ["train", "--dataset", str(npz400), "--model", "mlp", "--width", "16",
+            "--batch_size", "16", "--epochs", "8", "--lr", "0", "--early_stopping", "2",
+            "--no-tensorboard", "--output_dir", str(tmp_path / "es")]
+    done = run_torchrun(2, args, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "es" / "summary.json").read_text())
+    assert summary["stopped_at_epoch"] == 3 and summary["best_epoch"] == 1
+    # a stop only rank 1 asks for at its epoch-1 validation: rank 0 stops with it
+    ranks = run_ranks(_stop_on_rank_1_at_epoch_1, 2, tmp_path, str(npz400), str(tmp_path / "r"))
+    for summary in ranks:
+        assert summary["stopped_at_epoch"] == 1 and summary["steps"] == 10
+    assert ranks[0]["stop_reason"] == "a stop requested by a hook on another rank"
+    assert ranks[1]["stop_reason"] == "asked at epoch 1"
+
+
+# ---------------------------------------------------------------- EMA through a SIGKILL
+# breast_cancer on 2 ranks x 8: 23 steps an epoch; rank 1 dies at step 8's forward.
+EMA_JOB = ["train", "--dataset", "breast_cancer", "--model", "guardplug:killable_mlp",
+           "--batch_size", "8", "--epochs", "2", "--lr", "0.05", "--save_every_steps", "5",
+           "--log_interval", "5", "--ema_decay", "0.9", "--no-tensorboard"]
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigkill_then_resume_with_ema_is_bitwise_exact(tmp_path: Path, strategy: str) -> None:
+    job = [*EMA_JOB, "--strategy", strategy]
+    reference = tmp_path / "reference"
+    done = run_torchrun(2, [*job, "--output_dir", str(reference)], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+    resumed = sigkill_then_resume(2, job, run, tmp_path, kill_at=8)
+    assert "epoch 0 done, step 5" in resumed.stdout + resumed.stderr
+    assert_bitwise(weights(run), weights(reference))
+    ema = load_file(str(run / "model_ema.safetensors"))
+    assert_bitwise(ema, load_file(str(reference / "model_ema.safetensors")))
+    assert_same_log(run, reference)
+    val = [r for r in _rows(run) if r["split"] == "val"]
+    assert [r["ema_loss"] for r in val] == [
+        r["ema_loss"] for r in _rows(reference) if r["split"] == "val"
+    ]
+    assert all(r["ema_loss"] != r["loss"] for r in val)  # the average is what was validated
