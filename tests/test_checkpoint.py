@@ -19,11 +19,12 @@ from ddptrain.cli import main
 from ddptrain.context import DistributedContext
 
 
-def _write_until_killed(directory: Path, step: int, progress: int) -> None:
+def _write_until_killed(directory: Path, step: int, progress: int, blob: torch.Tensor) -> None:
     """Child: 8 MB checkpoints, one after another, until SIGKILL; after each write it
-    reports the step on the `progress` pipe."""
+    reports the step on the `progress` pipe. `blob` comes from the parent: a forked child
+    must not start OpenMP work (filling a large tensor does), whose thread pool the
+    parent may already hold and the child cannot."""
     ctx = DistributedContext(0, 0, 1, torch.device("cpu"))
-    blob = torch.zeros(2_000_000)
     while True:
         step += 1
         state = {"step": step, "model_state_dict": {"w": blob, "tag": torch.tensor([step])}}
@@ -46,6 +47,7 @@ def test_kill_during_checkpoint_writes_never_leaves_a_broken_newest(tmp_path: Pa
     directory = tmp_path / "ckpt"
     rng = random.Random(0)
     step, trials, torn = 0, 30, 0
+    blob = torch.zeros(2_000_000)
     for _ in range(trials):
         # The kill comes after the child's k-th completed write (counted, not timed),
         # then a random part of one write later: kills land at every phase of a write,
@@ -56,7 +58,7 @@ def test_kill_during_checkpoint_writes_never_leaves_a_broken_newest(tmp_path: Pa
         if pid == 0:
             try:
                 os.close(progress)
-                _write_until_killed(directory, step, report)
+                _write_until_killed(directory, step, report, blob)
             finally:
                 os._exit(1)
         os.close(report)
