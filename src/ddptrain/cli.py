@@ -1,10 +1,11 @@
-"""Command line: `ddptrain train | export | doctor | plot`.
+"""Command line: `ddptrain train | export | doctor | plot | ray`.
 
     ddptrain train --dataset digits --epochs 3                       # one process
     torchrun --standalone --nproc_per_node=2 -m ddptrain train       # two ranks, one node
     ddptrain export runs/ddptrain/checkpoints/latest.pt model.safetensors
     torchrun --standalone --nproc_per_node=2 -m ddptrain doctor      # check the cluster
     ddptrain plot runs/a runs/b -o curves.png                        # curves, overlaid
+    ddptrain ray --workers 2 --epochs 2                              # two Ray Train workers
 
 A wrong setting ends the run with one line, `ddptrain: error: ...`, and exit code 2; the
 other exit codes are listed in `ddptrain.errors`.
@@ -99,8 +100,22 @@ def _cmd_doctor(argv: list[str]) -> int:
     return doctor_main(argv)
 
 
+def _cmd_ray(argv: list[str]) -> int:
+    from ddptrain.launch.ray import RayFailed, run_on_ray
+
+    try:
+        config, summary = run_on_ray(argv, fit)
+    except RayFailed as exc:
+        _report(f"error: {exc}")
+        return exc.exit_code
+    if summary is not None and not summary.get("dry_run") and not summary.get("already_finished"):
+        _print_summary(config, summary)
+    return 0
+
+
 COMMANDS = {
     "train": _cmd_train, "export": _cmd_export, "doctor": _cmd_doctor, "plot": _cmd_plot,
+    "ray": _cmd_ray,
 }
 
 

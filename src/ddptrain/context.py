@@ -22,6 +22,7 @@ class DistributedContext:
     world_size: int
     device: torch.device
     backend: str | None = None  # None: world size 1, no process group
+    owns_group: bool = True  # False: the group was adopted (Ray Train made it), not ours to end
 
     @property
     def is_main(self) -> bool:
