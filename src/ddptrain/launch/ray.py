@@ -162,8 +162,9 @@ def _connect(ray: Any, args: argparse.Namespace) -> bool:
             f"{args.workers * args.gpus_per_worker:g} GPU(s) and this machine has {gpus}: "
             "use fewer workers, or set RAY_ADDRESS to a cluster that has them"
         )
-    ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=True,
-             logging_level=logging.WARNING)
+    # "local": a new cluster of our own, never one that another `ray start` left running
+    ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
+             log_to_driver=True, logging_level=logging.WARNING)
     return True
 
 
