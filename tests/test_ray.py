@@ -84,10 +84,15 @@ def _pythonpath() -> str:
 
 
 def test_a_worker_config_error_is_reported_as_one_line_with_exit_2() -> None:
-    from ray.train import WorkerGroupError
+    ray_train = pytest.importorskip("ray.train")
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 
     cause = ConfigError("--dataset 'x.npz' is invalid: no such file")
-    failed = WorkerGroupError("rank 0 failed", {0: RuntimeError("peer gone"), 1: cause})
+    # what trainer.fit() raises when Ray gives up: each worker's error, wrapped by Ray
+    failed = ray_train.WorkerGroupError("rank 1 failed", {
+        0: UserExceptionWithTraceback(RuntimeError("peer gone"), "Traceback ..."),
+        1: UserExceptionWithTraceback(cause, "Traceback ..."),
+    })
     assert _failure(failed, max_failures=2) is cause
 
 

@@ -195,12 +195,14 @@ def _failure(exc: BaseException, max_failures: int) -> BaseException:
 
 
 def _ddptrain_error(exc: BaseException) -> BaseException | None:
-    """A ConfigError or TrainingStopped in a worker, however Ray wrapped it."""
+    """A ConfigError or TrainingStopped in a worker, however Ray wrapped it: Ray Train
+    hands the driver each worker's exception inside its own (`_base_exc`, no public
+    name), task errors carry theirs as `cause`."""
     seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, ConfigError | TrainingStopped):
+    for _ in range(8):
+        if seen is None or isinstance(seen, ConfigError | TrainingStopped):
             return seen
-        seen = getattr(seen, "cause", None) or seen.__cause__
+        seen = getattr(seen, "_base_exc", None) or getattr(seen, "cause", None) or seen.__cause__
     return None
 
 
