@@ -22,7 +22,7 @@ from procs import assert_bitwise, assert_same_log, weights
 from ddptrain.cli import main
 from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError
-from ddptrain.launch.ray import _failure
+from ddptrain.launch.ray import RayFailed, _failure
 
 # breast_cancer on 2 ranks x 16: 15 steps an epoch, 30 in all; a checkpoint every 5.
 JOB = ["--dataset", "breast_cancer", "--model", "guardplug:killable_mlp", "--width", "16",
@@ -94,6 +94,28 @@ def test_a_worker_config_error_is_reported_as_one_line_with_exit_2() -> None:
         1: UserExceptionWithTraceback(cause, "Traceback ..."),
     })
     assert _failure(failed, max_failures=2) is cause
+
+
+def test_a_worker_that_died_is_reported_as_a_lost_peer_with_exit_3() -> None:
+    ray_train = pytest.importorskip("ray.train")
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2._internal.exceptions import (
+        UserExceptionWithTraceback,
+        WorkerHealthCheckFailedError,
+    )
+
+    # as Ray gives up after rank 1 was SIGKILLed: rank 0 lost its gloo peer, rank 1's
+    # actor stopped answering its health check
+    failed = ray_train.WorkerGroupError("workers failed", {
+        0: UserExceptionWithTraceback(RuntimeError("gloo: Connection reset by peer"), "tb"),
+        1: WorkerHealthCheckFailedError("A worker health check failed.", ActorDiedError()),
+    })
+    error = _failure(failed, max_failures=0)
+    assert isinstance(error, RayFailed) and error.exit_code == 3
+    assert str(error).startswith(
+        "Ray worker rank 1 died (The actor died unexpectedly before finishing this task.) "
+        "with no retries"
+    )
 
 
 # ---------------------------------------------------------------- adopting a group

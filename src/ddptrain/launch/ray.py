@@ -175,35 +175,43 @@ def _local_gpus() -> int:
 
 
 def _failure(exc: BaseException, max_failures: int) -> BaseException:
-    """What the driver says when Ray gives up: ddptrain's own errors as they were raised
-    in the worker (one line, their exit code); a worker that died as a lost peer."""
-    causes = list(getattr(exc, "worker_failures", {}).values()) or [exc]
-    for cause in causes:
-        own = _ddptrain_error(cause)
-        if own is not None:
-            return own
-    first = str(causes[0]).strip().splitlines()
-    text = first[0][:200] if first else type(causes[0]).__name__
-    tries = "without retries" if max_failures == 0 else f"after {max_failures} restart(s)"
-    if "died" in text.lower() or "actor" in text.lower():
-        return RayFailed(
-            f"a Ray worker died ({text}) {tries}: the run directory holds the newest "
-            "checkpoint; run the command again with --resume_from auto",
-            EXIT_PEER_LOST,
-        )
-    return exc if isinstance(exc, Exception) else RuntimeError(text)
+    """What the driver says when Ray gives up: ddptrain's own error as a worker raised it
+    (one line, its exit code); a worker that died as a lost peer (3); else Ray's error."""
+    from ray.exceptions import RayActorError
+
+    failures: dict[int, BaseException] = getattr(exc, "worker_failures", None) or {0: exc}
+    chains = {rank: _chain(error) for rank, error in sorted(failures.items())}
+    for chain in chains.values():
+        for error in chain:
+            if isinstance(error, ConfigError | TrainingStopped):
+                return error
+    for rank, chain in chains.items():
+        died = next((e for e in chain if isinstance(e, RayActorError)), None)
+        if died is not None:
+            lines = str(died).strip().splitlines()
+            what = lines[0][:160] if lines else type(died).__name__
+            tries = "with no retries" if max_failures == 0 else f"after {max_failures} restart(s)"
+            return RayFailed(
+                f"Ray worker rank {rank} died ({what}) {tries}: the run directory holds the "
+                "newest checkpoint; run the command again with --resume_from auto",
+                EXIT_PEER_LOST,
+            )
+    return exc
 
 
-def _ddptrain_error(exc: BaseException) -> BaseException | None:
-    """A ConfigError or TrainingStopped in a worker, however Ray wrapped it: Ray Train
-    hands the driver each worker's exception inside its own (`_base_exc`, no public
-    name), task errors carry theirs as `cause`."""
-    seen: BaseException | None = exc
-    for _ in range(8):
-        if seen is None or isinstance(seen, ConfigError | TrainingStopped):
-            return seen
-        seen = getattr(seen, "_base_exc", None) or getattr(seen, "cause", None) or seen.__cause__
-    return None
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and what it wraps: Ray Train hands the driver each worker's exception inside
+    its own (`_base_exc`, or `health_check_failure` for a worker that stopped answering;
+    no public names for either), task errors carry theirs as `cause`."""
+    chain = [exc]
+    while len(chain) < 8:
+        last = chain[-1]
+        inner = (getattr(last, "_base_exc", None) or getattr(last, "health_check_failure", None)
+                 or getattr(last, "cause", None) or last.__cause__)
+        if not isinstance(inner, BaseException) or inner in chain:
+            break
+        chain.append(inner)
+    return chain
 
 
 class _MarkStarted(Hook):
