@@ -200,7 +200,7 @@ def _run_in_group(
         clean = True  # every rank stopped at the same agreed step
         raise
     finally:
-        teardown_distributed(clean)
+        teardown_distributed(clean, ctx)
     return summary
 
 

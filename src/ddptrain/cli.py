@@ -1,4 +1,4 @@
-"""Command line: `ddptrain train | export | doctor | plot | evaluate | predict`.
+"""Command line: `ddptrain train | export | doctor | plot | evaluate | predict | ray`.
 
     ddptrain train --dataset digits --epochs 3                       # one process
     torchrun --standalone --nproc_per_node=2 -m ddptrain train       # two ranks, one node
@@ -7,6 +7,7 @@
     ddptrain plot runs/a runs/b -o curves.png                        # curves, overlaid
     ddptrain evaluate runs/ddptrain --output metrics.json            # a trained model's metrics
     ddptrain predict runs/ddptrain --dataset digits --output p.npy   # ... and its outputs
+    ddptrain ray --workers 2 --epochs 2                              # two Ray Train workers
 
 A wrong setting ends the run with one line, `ddptrain: error: ...`, and exit code 2; the
 other exit codes are listed in `ddptrain.errors`.
@@ -177,9 +178,23 @@ def _cmd_doctor(argv: list[str]) -> int:
     return doctor_main(argv)
 
 
+def _cmd_ray(argv: list[str]) -> int:
+    from ddptrain.launch.ray import RayFailed, run_on_ray
+
+    try:
+        config, summary = run_on_ray(argv, fit)
+    except RayFailed as exc:
+        _report(f"error: {exc}")
+        return exc.exit_code
+    if summary is not None and not summary.get("dry_run") and not summary.get("already_finished"):
+        _print_summary(config, summary)
+    return 0
+
+
 COMMANDS = {
     "train": _cmd_train, "export": _cmd_export, "doctor": _cmd_doctor, "plot": _cmd_plot,
     "evaluate": _cmd_evaluate, "predict": _cmd_predict,
+    "ray": _cmd_ray,
 }
 
 

@@ -26,6 +26,7 @@ class DistributedContext:
     # rank's data-parallel rank and size. None: every rank is a data-parallel rank.
     mesh: Any = None
     data_parallel: tuple[int, int] | None = None
+    owns_group: bool = True  # False: the group was adopted (Ray Train made it), not ours to end
 
     @property
     def is_main(self) -> bool:

@@ -57,7 +57,8 @@ def setup_distributed(
     config: TrainingConfig, cluster: ClusterEnv | None = None,
     device: torch.device | None = None, backend: str | None = None,
 ) -> DistributedContext:
-    """Pin the device, start the process group (if world size > 1), return the context.
+    """Pin the device, start the process group (if world size > 1 and none exists yet:
+    one that does is adopted), return the context.
     `device` and `backend` come resolved from `ddptrain.fit`; left out, they are resolved
     here."""
     cluster = cluster or read_cluster_env()
@@ -65,6 +66,8 @@ def setup_distributed(
     backend = backend or resolve_backend(config, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return _adopt_group(cluster, device)
     if cluster.world_size == 1:
         return DistributedContext(0, 0, 1, device, backend=None)
     cluster.export_rendezvous()  # srun tasks: env:// needs MASTER_ADDR/PORT
@@ -86,6 +89,25 @@ def setup_distributed(
         raise ConfigError(_rendezvous_advice(exc, cluster, config.timeout_s)) from None
     return DistributedContext(
         cluster.rank, cluster.local_rank, cluster.world_size, device, backend=backend
+    )
+
+
+def _adopt_group(cluster: ClusterEnv, device: torch.device) -> DistributedContext:
+    """The process group a host framework already started (a Ray Train worker's): used as
+    it is, and left for its maker to destroy (`teardown_distributed` with `owns_group`
+    False)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if (rank, world_size) != (cluster.rank, cluster.world_size):
+        raise ConfigError(
+            f"a process group of rank {rank} of {world_size} already exists, but RANK="
+            f"{cluster.rank} and WORLD_SIZE={cluster.world_size} say otherwise: start "
+            "ddptrain without a process group of its own, or with the launcher's variables"
+        )
+    if world_size == 1:  # a group of one: trained like a plain single process
+        return DistributedContext(0, 0, 1, device, backend=None, owns_group=False)
+    return DistributedContext(
+        rank, cluster.local_rank, world_size, device, backend=str(dist.get_backend()),
+        owns_group=False,
     )
 
 
@@ -149,8 +171,9 @@ def _rendezvous_advice(exc: BaseException, cluster: ClusterEnv, timeout_s: float
     return f"the process group could not start at {where} ({first}): check the launcher settings"
 
 
-def teardown_distributed(clean: bool) -> None:
-    """Destroy the process group without tripping gloo's exit-time abort.
+def teardown_distributed(clean: bool, ctx: DistributedContext | None = None) -> None:
+    """Destroy the process group without tripping gloo's exit-time abort; a group this
+    process adopted (`ctx.owns_group` False) stays up for the framework that made it.
 
     With gloo, destroying the group while DDP's reducer, the optimizer or loader
     iterators still hold communication state lets a background thread die at interpreter
@@ -167,6 +190,8 @@ def teardown_distributed(clean: bool) -> None:
             dist.barrier()
         except Exception as exc:  # a peer died after our last collective
             log.warning("barrier before teardown failed: %s", exc)
+    if ctx is not None and not ctx.owns_group:
+        return
     try:
         dist.destroy_process_group()
     except Exception as exc:  # after a failure (an aborted NCCL communicator): best effort

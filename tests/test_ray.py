@@ -1,0 +1,184 @@
+"""`ddptrain ray`: the same training in Ray Train workers, on a real local Ray cluster.
+
+Inside a worker the process group is Ray's: ddptrain adopts it (no second
+init_process_group) and leaves it up for Ray. The heavy tests start the cluster the way a
+user does (the subcommand starts a local one) and compare the weights with a torchrun run
+of the same job: 2 gloo ranks sum a + b in either launcher, so they are bitwise equal.
+A worker that SIGKILLs itself mid-run (`guardplug`, GUARD_KILL_AT) is retried by Ray's
+FailureConfig, and the retry resumes from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import run_cli, run_torchrun
+from dist_utils import run_ranks
+from procs import assert_bitwise, assert_same_log, weights
+
+from ddptrain.cli import main
+from ddptrain.config import TrainingConfig
+from ddptrain.errors import ConfigError
+from ddptrain.launch.ray import RayFailed, _failure
+
+# breast_cancer on 2 ranks x 16: 15 steps an epoch, 30 in all; a checkpoint every 5.
+JOB = ["--dataset", "breast_cancer", "--model", "guardplug:killable_mlp", "--width", "16",
+       "--batch_size", "16", "--epochs", "2", "--lr", "0.05", "--save_every_steps", "5",
+       "--log_interval", "5", "--no-tensorboard"]
+
+
+def _one_line(proc_err: str) -> str:
+    lines = [x for x in proc_err.strip().splitlines() if x]
+    assert len(lines) == 1, proc_err
+    assert lines[0].startswith("ddptrain: error: "), proc_err
+    return lines[0]
+
+
+# ---------------------------------------------------------------- before any Ray start
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--workers", "0"], "--workers 0 is invalid"),
+    (["--workers", "2", "--batch_size", "0"], "--batch_size 0 is invalid"),
+    (["--workers", "2", "--max_failures", "-2"], "--max_failures -2 is invalid"),
+    (["--workers", "2", "--global_batch_size", "24", "--batch_size", "8"],
+     "is not a multiple of 2 rank(s)"),
+    ([], "the following arguments are required: --workers"),
+])
+def test_bad_input_ends_before_ray_starts(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    rc = main(["ray", *argv, "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert needle in _one_line(err)
+
+
+def test_an_occupied_run_dir_is_refused_before_ray_starts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("run_id: other\n")
+    assert main(["ray", "--workers", "2", "--output_dir", str(run)]) == 2
+    assert "already holds a run" in _one_line(capsys.readouterr().err)
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]  # no ray/ either
+
+
+def test_without_ray_installed_one_line_says_how_to_install_it(tmp_path: Path) -> None:
+    # A `ray` package that cannot be imported, first on the path: Ray is not installed.
+    shadow = tmp_path / "shadow" / "ray"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    proc = run_cli(["ray", "--workers", "2", "--output_dir", str(tmp_path / "run")],
+                   cwd=tmp_path, env={"PYTHONPATH": f"{shadow.parent}:{_pythonpath()}"})
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'ddptrain[ray]'" in _one_line(proc.stderr)
+
+
+def _pythonpath() -> str:
+    import os
+
+    return os.environ.get("PYTHONPATH", "")
+
+
+def test_a_worker_config_error_is_reported_as_one_line_with_exit_2() -> None:
+    ray_train = pytest.importorskip("ray.train")
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    cause = ConfigError("--dataset 'x.npz' is invalid: no such file")
+    # what trainer.fit() raises when Ray gives up: each worker's error, wrapped by Ray
+    failed = ray_train.WorkerGroupError("rank 1 failed", {
+        0: UserExceptionWithTraceback(RuntimeError("peer gone"), "Traceback ..."),
+        1: UserExceptionWithTraceback(cause, "Traceback ..."),
+    })
+    assert _failure(failed, max_failures=2) is cause
+
+
+def test_a_worker_that_died_is_reported_as_a_lost_peer_with_exit_3() -> None:
+    ray_train = pytest.importorskip("ray.train")
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2._internal.exceptions import (
+        UserExceptionWithTraceback,
+        WorkerHealthCheckFailedError,
+    )
+
+    # as Ray gives up after rank 1 was SIGKILLed: rank 0 lost its gloo peer, rank 1's
+    # actor stopped answering its health check
+    failed = ray_train.WorkerGroupError("workers failed", {
+        0: UserExceptionWithTraceback(RuntimeError("gloo: Connection reset by peer"), "tb"),
+        1: WorkerHealthCheckFailedError("A worker health check failed.", ActorDiedError()),
+    })
+    error = _failure(failed, max_failures=0)
+    assert isinstance(error, RayFailed) and error.exit_code == 3
+    assert str(error).startswith(
+        "Ray worker rank 1 died (The actor died unexpectedly before finishing this task.) "
+        "with no retries"
+    )
+
+
+# ---------------------------------------------------------------- adopting a group
+def _adopt(rank: int, run: str) -> dict[str, object]:
+    from ddptrain.api import fit
+
+    dist.init_process_group("gloo")  # as Ray's worker does, before ddptrain runs
+    try:
+        fit(TrainingConfig(dataset="breast_cancer", epochs=1, batch_size=32, width=8,
+                           output_dir=run, tensorboard=False).validate())
+        alive = dist.is_initialized()
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)  # the group still works for its maker
+        return {"alive": alive, "sum": total.item()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fit_adopts_a_process_group_it_did_not_create_and_leaves_it_up(tmp_path: Path) -> None:
+    results = run_ranks(_adopt, 2, tmp_path, str(tmp_path / "run"))
+    assert results == [{"alive": True, "sum": 3.0}] * 2
+    assert (tmp_path / "run" / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------- a real Ray cluster
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job under torchrun on 2 ranks, uninterrupted."""
+    base = tmp_path_factory.mktemp("ray-reference")
+    proc = run_torchrun(2, ["train", *JOB, "--output_dir", str(base / "run")], cwd=base)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return base / "run"
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_two_ray_workers_end_with_the_weights_of_torchrun(
+    reference: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    proc = run_cli(["ray", "--workers", "2", *JOB, "--output_dir", str(run)], cwd=tmp_path,
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: 2 epochs, 30 steps on 2 rank(s)" in proc.stdout
+    assert_bitwise(weights(run), weights(reference))
+    assert_same_log(run, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_a_sigkilled_worker_is_retried_by_ray_and_resumes_bitwise(
+    reference: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    # rank 1 dies at step 23's forward; the newest checkpoint is step 20's, and the retried
+    # worker (same environment) has only 10 forwards left, so it is not killed again
+    proc = run_cli(["ray", "--workers", "2", "--max_failures", "1", *JOB, "--output_dir",
+                    str(run)], cwd=tmp_path, env={"GUARD_KILL_AT": "23"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "Ray restarted the worker group: resuming from the newest checkpoint" in out
+    (attempts,) = (run / "ray").glob("*/attempts")
+    assert [line.split()[-1] for line in attempts.read_text().splitlines()] == ["0", "20"]
+    assert_bitwise(weights(run), weights(reference))
+    assert_same_log(run, reference)
