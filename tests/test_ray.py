@@ -43,7 +43,7 @@ def _one_line(proc_err: str) -> str:
     (["--workers", "2", "--batch_size", "0"], "--batch_size 0 is invalid"),
     (["--workers", "2", "--max_failures", "-2"], "--max_failures -2 is invalid"),
     (["--workers", "2", "--global_batch_size", "24", "--batch_size", "8"],
-     "is not a multiple of 2 rank(s)"),
+     "is not a multiple of 2 data-parallel rank(s)"),
     ([], "the following arguments are required: --workers"),
 ])
 def test_bad_input_ends_before_ray_starts(

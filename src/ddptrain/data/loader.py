@@ -205,7 +205,12 @@ def make_loader(
 def stop_workers(*loaders: Any) -> None:
     """Shut down the persistent workers of these DataLoaders. A run that ends on an error
     may leave their iterator to the cyclic collector, and the workers, which leave SIGTERM
-    to the main process, would keep the interpreter's exit waiting for them."""
+    to the main process, would keep the interpreter's exit waiting for them. The run has
+    failed already: torch's SIGCHLD handler, which raises in the main thread wherever it
+    is when a worker ends (in a logging lock, printed as a traceback), is not wanted."""
+    import signal
+
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for loader in loaders:
         it = getattr(loader, "_iterator", None)
         shutdown = getattr(it, "_shutdown_workers", None)
