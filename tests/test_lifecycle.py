@@ -86,7 +86,7 @@ def test_each_fresh_run_gets_its_own_directory_and_id(tmp_path: Path) -> None:
     assert len(ids) == 2
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.heavy), 2])
 def test_a_failed_start_leaves_the_directory_to_the_corrected_command(
     tmp_path: Path, ranks: int
 ) -> None:
@@ -121,6 +121,7 @@ def test_a_failed_start_leaves_the_directory_to_the_corrected_command(
         assert not other.exists()
 
 
+@pytest.mark.heavy
 def test_a_refused_resume_leaves_the_runs_config_and_job_as_they_were(tmp_path: Path) -> None:
     run = tmp_path / "run"
     args = [*QUICK, "--epochs", "1", "--output_dir", str(run)]
@@ -249,6 +250,7 @@ def test_mid_epoch_resume_on_another_world_size_continues_the_same_run(
             assert r["lr"] == pytest.approx(ref_lr[r["step"]], rel=1e-9)
 
 
+@pytest.mark.heavy
 def test_world_size_change_without_a_global_batch_keeps_the_schedule_end(
     tmp_path: Path,
 ) -> None:

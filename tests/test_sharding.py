@@ -151,6 +151,7 @@ def test_an_fsdp_export_loads_into_the_users_model_and_predicts_the_same(
     assert_bitwise(load_file(str(tmp_path / "from_dcp.safetensors")), weights(run))
 
 
+@pytest.mark.heavy
 def test_peak_memory_per_rank_is_clearly_lower_under_fsdp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -53,7 +53,7 @@ def test_a_branch_left_out_on_some_steps_is_one_line_per_rank_naming_the_flag(
     assert f"exitcode  : {EXIT_USAGE}" in proc.stderr or f"exitcode: {EXIT_USAGE}" in proc.stderr
 
 
-@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("accum", [pytest.param(1, marks=pytest.mark.heavy), 2])
 def test_with_find_unused_parameters_two_ranks_equal_one_rank(
     tmp_path: Path, accum: int
 ) -> None:
