@@ -4,12 +4,12 @@ directory, `hf:DIR`)."""
 
 from __future__ import annotations
 
-from ddptrain.models.factory import create_model
+from ddptrain.models.factory import build_model, create_model
 from ddptrain.models.gpt import GPT, GPTConfig, build_gpt
 from ddptrain.models.hf import hf_dir, is_hf_model, is_hf_ref
 from ddptrain.models.nets import MLP, MiniResNet
 
 __all__ = [
-    "GPT", "MLP", "GPTConfig", "MiniResNet", "build_gpt", "create_model", "hf_dir",
+    "GPT", "MLP", "GPTConfig", "MiniResNet", "build_gpt", "build_model", "create_model", "hf_dir",
     "is_hf_model", "is_hf_ref",
 ]

@@ -8,6 +8,7 @@ strategy's `setup_module`), so checkpoints always hold the plain module's state 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,6 +19,25 @@ from ddptrain.errors import ConfigError
 from ddptrain.models.hf import build_hf, is_hf_ref
 from ddptrain.models.nets import MLP, MiniResNet
 from ddptrain.plugins import call_factory
+
+
+def build_model(
+    config: TrainingConfig, data: DataBundle, outputs: int | None, device: torch.device,
+    task: str | None = None, model: nn.Module | Callable[[], nn.Module] | None = None,
+) -> nn.Module:
+    """The model as a run builds it, seeded, on `device`: the user's module (an instance,
+    or a factory of one) or `--model` for the task's head of `outputs`."""
+    torch.manual_seed(config.seed)
+    if isinstance(model, nn.Module):
+        built = model
+    elif model is not None:
+        built = model()
+    else:
+        built = create_model(config, data, outputs, device, task=task)
+    built = built.to(device)
+    if config.channels_last:
+        built = built.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    return built
 
 
 def model_name(config: TrainingConfig, data: DataBundle) -> str:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
+from ddptrain import models
 from ddptrain.checkpoint import (
     checkpoint_model_state,
     find_resumable,
@@ -36,7 +37,6 @@ from ddptrain.config import TrainingConfig, build_parser, load_yaml
 from ddptrain.context import DistributedContext
 from ddptrain.data import DataBundle, ModelCall, make_val_loader
 from ddptrain.errors import ConfigError
-from ddptrain.models import create_model
 from ddptrain.parallel import Strategy
 from ddptrain.train.evaluate import Evaluator
 from ddptrain.train.precision import Precision
@@ -135,17 +135,9 @@ def build_model(
 ) -> nn.Module:
     """The model as the run built it (`--model`, or the given module or factory), on
     `device`, before its weights are loaded."""
-    torch.manual_seed(config.seed)
-    if isinstance(model, nn.Module):
-        built = model
-    elif model is not None:
-        built = model()
-    else:
-        built = create_model(config, data, head_size(task, data.facts), device)
-    built = built.to(device)
-    if config.channels_last:
-        built = built.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-    return built
+    return models.build_model(
+        config, data, head_size(task, data.facts), device, task=task.name, model=model
+    )
 
 
 def load_weights(module: nn.Module, weights: Path, ctx: DistributedContext) -> None:

@@ -50,7 +50,7 @@ from ddptrain.data import (
     to_device,
 )
 from ddptrain.files import atomic_write_text
-from ddptrain.models import create_model, hf_dir, is_hf_model, is_hf_ref
+from ddptrain.models import build_model, hf_dir, is_hf_model, is_hf_ref
 from ddptrain.observe import Console, Curves, Hook, Hooks, MetricsWriter
 from ddptrain.observe.flops import gpu_fields, meta_shadow
 from ddptrain.observe.profiling import StepProfiler
@@ -172,20 +172,10 @@ class Trainer:
         cfg = self.config
 
         def build(device: torch.device) -> nn.Module:
-            torch.manual_seed(cfg.seed)
-            if isinstance(module, nn.Module):
-                built = module
-            elif module is not None:
-                built = module()
-            else:
-                built = create_model(
-                    cfg, self.data, head_size(self.task, self.data.facts), device,
-                    task=self.task.name,
-                )
-            built = built.to(device)
-            if cfg.channels_last:
-                built = built.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-            return built
+            return build_model(
+                cfg, self.data, head_size(self.task, self.data.facts), device,
+                task=self.task.name, model=module,
+            )
 
         if isinstance(module, nn.Module):
             return build(self.ctx.device)
