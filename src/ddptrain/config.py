@@ -149,7 +149,26 @@ class TrainingConfig:
         "tensor parallelism: ranks that split each layer (attention heads, MLP) and see the "
         "same batch; inside a node",
     )
-    pp: int = _f(1, "pipeline stages (reserved: only 1 is available)")
+    pp: int = _f(
+        1,
+        "pipeline parallelism: ranks that each hold a stage of the model's layers, in "
+        "order (the outermost mesh dimension: stages may cross nodes)",
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = _f(
+        "1f1b",
+        "--pp: the pipeline schedule; interleaved1f1b gives each rank two stages "
+        "(a smaller bubble, more messages)",
+    )
+    pp_microbatches: int | None = _f(
+        None,
+        "--pp: micro-batches each batch is cut into as it flows through the stages "
+        "(default: --pp; must divide --batch_size)",
+    )
+    pp_split: str | None = _f(
+        None,
+        "package.module:fn, fn(model, stage, stages) returns that stage's module for a "
+        "model that is not the built-in GPT under --pp",
+    )
     tp_plan: str | None = _f(
         None,
         "package.module:fn, fn(model, tp_mesh) parallelizes a model that is not the "
@@ -340,6 +359,10 @@ class TrainingConfig:
                 _bad(name, getattr(self, name), "use a whole number of at least 1 (1: off)")
         if self.tp_plan is not None and not _is_import_ref(self.tp_plan):
             _bad("tp_plan", self.tp_plan, "give package.module:fn, fn(model, tp_mesh)")
+        if self.pp_split is not None and not _is_import_ref(self.pp_split):
+            _bad("pp_split", self.pp_split, "give package.module:fn, fn(model, stage, stages)")
+        if self.pp_microbatches is not None and self.pp_microbatches < 1:
+            _bad("pp_microbatches", self.pp_microbatches, "use a whole number of at least 1")
         self._validate_dataset()
         self._validate_finetune()
         if self.collate is not None and not _is_import_ref(self.collate):

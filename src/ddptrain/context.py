@@ -46,8 +46,13 @@ class DistributedContext:
     @property
     def counts_data(self) -> bool:
         """Whether this rank's loss and metric sums count in a global sum: one rank of
-        each group that shares a batch does, so every sample counts once."""
-        return self.mesh is None or self.mesh.get_local_rank("tp") == 0
+        each group that shares a batch does (the last pipeline stage, the first tensor-
+        parallel rank), so every sample counts once."""
+        if self.mesh is None:
+            return True
+        # The last pipeline stage scores the batch; one rank of a tensor-parallel group.
+        last_stage = self.mesh.get_local_rank("pp") == self.mesh.size(0) - 1
+        return last_stage and self.mesh.get_local_rank("tp") == 0
 
     @property
     def distributed(self) -> bool:

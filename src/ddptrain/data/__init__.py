@@ -15,7 +15,15 @@
 from __future__ import annotations
 
 from ddptrain.data.arrays import ArrayDataset, MemmapDataset, TensorBatches
-from ddptrain.data.batch import ModelCall, Output, mark_batch_dynamic, num_samples, split, to_device
+from ddptrain.data.batch import (
+    ModelCall,
+    Output,
+    mark_batch_dynamic,
+    num_samples,
+    parse_output,
+    split,
+    to_device,
+)
 from ddptrain.data.bundle import DataBundle, DataFacts
 from ddptrain.data.epoch import Micro, plan_epoch, samples_dropped, steps_per_epoch
 from ddptrain.data.iterable import IterableBatches
@@ -42,6 +50,7 @@ __all__ = [
     "make_val_loader",
     "mark_batch_dynamic",
     "num_samples",
+    "parse_output",
     "plan_epoch",
     "samples_dropped",
     "split",

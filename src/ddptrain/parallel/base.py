@@ -58,6 +58,7 @@ class Strategy:
 
     name = "single process"
     even_forwards = False  # must every rank run the same number of forward passes?
+    pipelined = False  # does a batch flow through stages (`forward_backward`)?
     _full_load = StateDictOptions()  # a whole state loads as it is into a whole module
 
     def __init__(
@@ -104,6 +105,14 @@ class Strategy:
     def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
         """Inside, backward only accumulates gradients locally (when `skip`)."""
         return NO_CONTEXT
+
+    def forward(self, call: Callable[[nn.Module, Any], Any], module: nn.Module, inputs: Any) -> Any:
+        """Forward only (evaluation): the model's output for `inputs`, or None on a rank
+        that holds no output (a pipeline's earlier stages)."""
+        return call(module, inputs)
+
+    def finish_gradients(self) -> None:
+        """Once the window's last backward is done, before clipping and the step."""
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm; returns the norm before clipping."""

@@ -101,7 +101,7 @@ class FSDP(Strategy):
             )
         if self.config.fsdp_cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        blocks = fsdp_blocks(module, self.config.fsdp_wrap)
+        blocks = self._units(module)
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(module, **kwargs)
@@ -110,6 +110,10 @@ class FSDP(Strategy):
         log.debug("fsdp: %d blocks sharded, plus the root", len(blocks))
         self._root, self._blocks = module, blocks
         return module
+
+    def _units(self, module: nn.Module) -> list[nn.Module]:
+        """The modules sharded one by one before the root (see `fsdp_blocks`)."""
+        return fsdp_blocks(module, self.config.fsdp_wrap)
 
     @torch.no_grad()
     def _materialise(self, module: nn.Module) -> None:

@@ -12,10 +12,12 @@ the innermost dimension are neighbours in the launcher's numbering (torchrun and
 number a node's processes together). So tensor parallelism, which talks at every layer,
 stays inside a node (`LOCAL_WORLD_SIZE` ranks) when `tp` divides it; under HSDP the FSDP
 shards (`dp_shard x tp` ranks) do too, and only the replicas' gradient all-reduce crosses
-nodes. Pipeline stages are the outermost dimension, reserved: only `--pp 1` runs.
+nodes. Pipeline stages are the outermost dimension: a stage sends one activation per
+micro-batch to the next, the least traffic of all, so stages may sit on different nodes.
 
     torchrun --nproc_per_node=4 -m ddptrain train --strategy fsdp --dp_replicate 2 ...  # HSDP 2x2
     torchrun --nproc_per_node=4 -m ddptrain train --strategy fsdp --tp 2 ...            # FSDP x TP
+    torchrun --nproc_per_node=4 -m ddptrain train --strategy fsdp --pp 2 ...            # FSDP x PP
 """
 
 from __future__ import annotations
@@ -72,16 +74,12 @@ def plan_mesh(
     """The layout of `world_size` ranks the config asks for, or a ConfigError naming the
     numbers that do not fit. Called before any process group starts."""
     r, t, p = config.dp_replicate, config.tp, config.pp
-    if p > 1:
-        raise ConfigError(
-            f"--pp {p}: pipeline parallelism is not available yet; drop --pp (or use "
-            "--tp / --dp_replicate)"
-        )
     if config.tp_plan and t == 1:
         raise ConfigError(
             f"--tp_plan {config.tp_plan!r} is a tensor-parallel plan and --tp is 1: add "
             "--tp 2 (or more), or drop the flag"
         )
+    _check_pipeline(config)
     fixed = r * t * p
     if world_size % fixed:
         raise ConfigError(
@@ -95,17 +93,18 @@ def plan_mesh(
             f"--dp_replicate {r} is HSDP, replicas of an FSDP-sharded model, and --strategy "
             f"is {config.strategy!r}: add --strategy fsdp, or drop --dp_replicate"
         )
-    if t > 1 and config.strategy == "zero":
-        raise ConfigError(
-            f"--tp {t} with --strategy zero is unsupported: use --strategy fsdp (FSDP x TP), "
-            "or ddp when tp takes every rank"
-        )
-    if t > 1 and config.strategy == "ddp" and layout.data_parallel > 1:
-        raise ConfigError(
-            f"--tp {t} on {world_size} ranks leaves {layout.data_parallel} data-parallel "
-            "ranks, and --strategy ddp does not compose with tensor parallelism: add "
-            f"--strategy fsdp (FSDP x TP), or run --tp {world_size}"
-        )
+    for flag, degree, name in (("tp", t, "TP"), ("pp", p, "PP")):
+        if degree > 1 and config.strategy == "zero":
+            raise ConfigError(
+                f"--{flag} {degree} with --strategy zero is unsupported: use --strategy fsdp "
+                f"(FSDP x {name}), or ddp when {flag} takes every rank"
+            )
+        if degree > 1 and config.strategy == "ddp" and layout.data_parallel > 1:
+            raise ConfigError(
+                f"--{flag} {degree} on {world_size} ranks leaves {layout.data_parallel} "
+                f"data-parallel ranks, and --strategy ddp does not compose with it: add "
+                f"--strategy fsdp (FSDP x {name}), or run --{flag} {world_size}"
+            )
     local = local_world_size or world_size
     inner = t * (layout.dp_shard if r > 1 else 1)
     if not layout.plain and local % inner:
@@ -115,6 +114,40 @@ def plan_mesh(
             "and their collectives run at network speed", what, inner, local,
         )
     return layout
+
+
+def _check_pipeline(config: TrainingConfig) -> None:
+    """The pipeline flags: one line each for those that cannot run (or would be ignored)."""
+    p = config.pp
+    if p == 1:
+        for flag in ("pp_microbatches", "pp_split"):
+            if getattr(config, flag) is not None:
+                raise ConfigError(
+                    f"--{flag} is a pipeline setting and --pp is 1: add --pp 2 (or more), "
+                    "or drop the flag"
+                )
+        return
+    if config.tp > 1:
+        raise ConfigError(
+            f"--pp {p} with --tp {config.tp}: pipeline and tensor parallelism together are "
+            "not available; use one of them (each composes with fsdp)"
+        )
+    micro = pipeline_microbatches(config)
+    if config.batch_size % micro:
+        raise ConfigError(
+            f"--pp_microbatches {micro} does not divide --batch_size {config.batch_size}: "
+            "each batch is cut into that many equal micro-batches; choose a divisor"
+        )
+    if config.pp_schedule == "1f1b" and micro < p:
+        raise ConfigError(
+            f"--pp_schedule 1f1b needs at least as many micro-batches as stages: "
+            f"--pp_microbatches {micro} < --pp {p}; raise it, or use --pp_schedule gpipe"
+        )
+
+
+def pipeline_microbatches(config: TrainingConfig) -> int:
+    """The micro-batches a batch is cut into under --pp (default: one per stage)."""
+    return config.pp_microbatches or config.pp
 
 
 def build_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:
@@ -144,6 +177,13 @@ def fsdp_mesh(ctx: DistributedContext) -> DeviceMesh | None:
     if ctx.mesh.size(DIMS.index("dp_replicate")) > 1:
         return ctx.mesh["dp_replicate", "dp_shard"]
     return ctx.mesh["dp_shard"]
+
+
+def pp_mesh(ctx: DistributedContext) -> DeviceMesh | None:
+    """The mesh of the ranks that hold a model's stages in turn; None without pipelining."""
+    if ctx.mesh is None or ctx.mesh.size(DIMS.index("pp")) == 1:
+        return None
+    return ctx.mesh["pp"]
 
 
 def tp_mesh(ctx: DistributedContext) -> DeviceMesh | None:

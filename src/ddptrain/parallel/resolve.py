@@ -20,6 +20,7 @@ from ddptrain.parallel.ddp import DDP
 from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.memory import device_memory, implied_bytes, largest_models
 from ddptrain.parallel.mesh import MeshLayout, plan_mesh
+from ddptrain.parallel.pp import Pipeline
 from ddptrain.parallel.tp import TensorParallel
 from ddptrain.parallel.zero import Zero
 
@@ -129,8 +130,14 @@ def resolve_strategy(
             memory, auto,
         )
     # An n-D layout shards parameters into DTensors: its checkpoints are DCP directories.
-    cls = TensorParallel if layout.tp > 1 else FSDP
+    cls = TensorParallel if layout.tp > 1 else Pipeline if layout.pp > 1 else FSDP
     kind = "dcp" if config.checkpoint_format == "auto" else config.checkpoint_format
+    if layout.pp > 1 and kind == "file":
+        raise ConfigError(
+            f"--checkpoint_format file under --pp {layout.pp}: no rank holds the whole "
+            "model, so each writes its stage into a DCP directory; use --checkpoint_format "
+            "dcp (or auto)"
+        )
     return StrategyChoice(config.strategy, world_size, kind, cls, memory, False, layout)
 
 

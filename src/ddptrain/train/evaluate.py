@@ -46,7 +46,7 @@ class Evaluator:
         """`filler`: model inputs for the forwards a rank runs in step with its peers
         once its own shard is done (fsdp)."""
         ctx, module, precision = self.ctx, self.module, self.precision
-        if ctx.distributed:
+        if ctx.distributed and not self.strategy.pipelined:  # stages hold other buffers
             for buf in module.buffers():
                 dist.broadcast(buf, src=0)
         module.eval()
@@ -54,12 +54,13 @@ class Evaluator:
         for batch in self._batches():
             if batch is None:  # this rank is done, a peer is not: forward in step with it
                 with precision.autocast():
-                    self.call(module, filler)
+                    self.strategy.forward(self.call, module, filler)
                 continue
             inputs, targets = split(to_device(batch, ctx.device, self.memory_format))
             with precision.autocast():
-                out = self.call(module, inputs)
-            sums.update(self.scorer.score(out, targets, inputs))
+                out = self.strategy.forward(self.call, module, inputs)
+            if out is not None:  # None: an earlier pipeline stage, the last one scores
+                sums.update(self.scorer.score(out, targets, inputs))
             filler = inputs
         sums.commit()
         module.train()

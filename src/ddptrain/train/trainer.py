@@ -45,6 +45,7 @@ from ddptrain.data import (
     make_train_batches,
     make_val_loader,
     mark_batch_dynamic,
+    parse_output,
     split,
     stop_workers,
     to_device,
@@ -481,18 +482,41 @@ class Trainer:
         """Forward and backward of one micro-batch; gradients are reduced only on the
         last micro-batch of a window. Returns the model inputs (for FLOP counting)."""
         inputs, targets = split(to_device(batch, self.ctx.device, self.memory_format))
+        scale = 0.0 if micro.pad else self._loss_scale(micro)
+        if self.strategy.pipelined:
+            self._pipeline_step(inputs, targets, scale, sums, micro.pad)
+            return inputs
         if self.config.compile:
             mark_batch_dynamic(inputs)
         with self.strategy.no_backward_sync(self.model, skip=not micro.ends_window):
             with self.precision.autocast():
                 out = self.call(self.model, inputs)
             score = self.scorer.score(out, targets, inputs)
-            scale = 0.0 if micro.pad else self._loss_scale(micro)
             loss = score.loss_sum
             self.scaler.scale(loss if scale == 1.0 else loss * scale).backward()
         if not micro.pad:
             sums.update(score)
         return inputs
+
+    def _pipeline_step(
+        self, inputs: Any, targets: Any, scale: float, sums: MetricSums, pad: bool
+    ) -> None:
+        """One batch through the pipeline's stages (`--pp`): the last stage scores each
+        micro-batch's rows (padding rows left out) as the step above scores a batch."""
+
+        def loss(output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            start, stop = int(rows[0]), min(int(rows[-1]) + 1, len(targets))
+            if stop <= start:  # padding alone: no loss, the graph still runs backward
+                return output.sum() * 0.0
+            score = self.scorer.score(
+                parse_output(output[: stop - start]), targets[start:stop], None
+            )
+            if not pad:
+                sums.update(score)
+            return self.scaler.scale(score.loss_sum * scale)
+
+        with self.precision.autocast():
+            self.strategy.forward_backward(inputs, loss)  # type: ignore[attr-defined]
 
     def _loss_scale(self, micro: Micro) -> float:
         # DDP averages gradients over the (data-parallel) ranks, hence their number.
@@ -510,6 +534,7 @@ class Trainer:
     def _optimizer_step(self, sums: MetricSums) -> bool:
         """Step unless the gradients are not finite; returns whether it stepped."""
         cfg = self.config
+        self.strategy.finish_gradients()
         if self.dynamic:
             self._rescale_to_global_count(sums.window_count())
         check = cfg.max_bad_steps > 0 and not self.precision.scaler  # fp16: the scaler's job
