@@ -1,6 +1,6 @@
 """n-D layouts on one device mesh (--dp_replicate, --tp, --pp): the layout checks before
-any process group, and real gloo groups where tensor parallelism (2 ranks), HSDP 2x2 and
-FSDP x TP 2x2 (4 ranks) each end with the weights of plain data parallelism on the same
+any process group, and real gloo groups where tensor parallelism (2 ranks), HSDP 2x2,
+FSDP x TP 2x2 and FSDP x PP 2x2 (4 ranks) each end with the weights of plain training on the
 global batch, with clipping and SGD with momentum (a wrong gradient norm would show)."""
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def test_mesh_layout_keeps_tp_innermost_and_derives_the_shards() -> None:
 @pytest.mark.parametrize(("fields", "world", "message"), [
     ({"tp": 3}, 4, "world size 4 is not dp_replicate 1 x data-parallel shards x tp 3 x pp 1"),
     ({"strategy": "fsdp", "dp_replicate": 3, "tp": 2}, 8, "6 does not divide 8 ranks"),
-    ({"pp": 2}, 2, "--pp 2: pipeline parallelism is not available yet"),
+    ({"pp": 3}, 4, "tp 1 x pp 3: 1 x 1 x 3 = 3 does not divide 4 ranks"),
     ({"dp_replicate": 2}, 4, "--dp_replicate 2 is HSDP"),
-    ({"tp": 2}, 4, "--strategy ddp does not compose with tensor parallelism"),
+    ({"tp": 2}, 4, "--strategy ddp does not compose with it"),
     ({"strategy": "zero", "tp": 2}, 2, "--tp 2 with --strategy zero is unsupported"),
     ({"tp_plan": "mypkg.plans:tp"}, 2, "--tp_plan 'mypkg.plans:tp' is a tensor-parallel plan"),
 ])
@@ -140,25 +140,35 @@ def test_tp2_equals_ddp_halves_the_bytes_and_resumes_from_dcp(
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_hsdp_and_fsdp_x_tp_on_4_ranks_equal_ddp_and_resume_on_one_process(
+def test_hsdp_fsdp_x_tp_and_fsdp_x_pp_on_4_ranks_equal_ddp_and_resume_elsewhere(
     tmp_path: Path, plain: dict[str, Any]
 ) -> None:
-    """HSDP 2x2 (2 replicas, each sharded over 2 ranks; batch 32 on each of 4 ranks) and
-    FSDP x TP 2x2 (2 data-parallel ranks of batch 64, each split over 2 tp ranks); the
-    latter's DCP directory written mid-epoch resumes on one process (plain training,
-    batch 128) to the same weights."""
+    """HSDP 2x2 (2 replicas, each sharded over 2 ranks; batch 32 on each of 4 ranks),
+    FSDP x TP 2x2 (2 data-parallel ranks of batch 64, each split over 2 tp ranks) and
+    FSDP x PP 2x2 (2 data-parallel ranks of batch 64, each cut into 2 stages); the FSDP x
+    TP DCP directory written mid-epoch resumes on one process (plain training, batch 128)
+    and on 2 ranks as 2 pipeline stages, each to the same weights."""
     runs = [
         {**GPT, "strategy": "fsdp", "dp_replicate": 2, "batch_size": GLOBAL_BATCH // 4,
          "output_dir": str(tmp_path / "hsdp")},
         {**GPT, "strategy": "fsdp", "tp": 2, "batch_size": GLOBAL_BATCH // 2,
          "output_dir": str(tmp_path / "fsdp_tp"), "save_every_steps": 2},
+        {**GPT, "strategy": "fsdp", "pp": 2, "batch_size": GLOBAL_BATCH // 2,
+         "output_dir": str(tmp_path / "fsdp_pp")},
     ]
-    hsdp, fsdp_tp = run_ranks(fit_runs, 4, tmp_path, runs)[0]
+    hsdp, fsdp_tp, fsdp_pp = run_ranks(fit_runs, 4, tmp_path, runs)[0]
     ref = plain
-    _assert_same_weights(hsdp, ref)
-    _assert_same_weights(fsdp_tp, ref)
+    for run in (hsdp, fsdp_tp, fsdp_pp):
+        _assert_same_weights(run, ref)
     step = tmp_path / "fsdp_tp" / "checkpoints" / "step_000000002"
     on_one = _reference(tmp_path, "one", resume_from=str(step))
-    assert on_one["resumed_from"] == str(step)
-    for name, value in ref["weights"].items():
-        torch.testing.assert_close(on_one["weights"][name], value, atol=1e-5, rtol=0, msg=name)
+    as_stages = run_ranks(fit_runs, 2, tmp_path, [{
+        **GPT, "pp": 2, "batch_size": GLOBAL_BATCH, "output_dir": str(tmp_path / "pp"),
+        "resume_from": str(step),
+    }])[0][0]
+    for resumed in (on_one, as_stages):
+        assert resumed["resumed_from"] == str(step)
+        for name, value in ref["weights"].items():
+            torch.testing.assert_close(
+                resumed["weights"][name], value, atol=1e-5, rtol=0, msg=name
+            )

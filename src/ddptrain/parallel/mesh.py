@@ -79,7 +79,6 @@ def plan_mesh(
             f"--tp_plan {config.tp_plan!r} is a tensor-parallel plan and --tp is 1: add "
             "--tp 2 (or more), or drop the flag"
         )
-    _check_pipeline(config)
     fixed = r * t * p
     if world_size % fixed:
         raise ConfigError(
@@ -88,6 +87,7 @@ def plan_mesh(
             "choose degrees whose product divides the world size"
         )
     layout = MeshLayout(pp=p, dp_replicate=r, dp_shard=world_size // fixed, tp=t)
+    _check_pipeline(config)
     if r > 1 and config.strategy != "fsdp":
         raise ConfigError(
             f"--dp_replicate {r} is HSDP, replicas of an FSDP-sharded model, and --strategy "
