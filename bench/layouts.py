@@ -155,33 +155,35 @@ def section(results: dict[str, Any]) -> str:
             f"{r['step_s'] / base['step_s']:.2f} | {r['val_loss']:.6f} |"
         )
     lines += [
-        "", "fsdp shards every tensor over its ranks; tp 2 splits each block's attention "
-        "heads and MLP over 2 ranks, while the embeddings, the norms and the biases added "
-        "after a row-wise split stay whole on both, so it holds a little more than half. "
-        "HSDP 2x2 shards over the 2 ranks of a replica (as fsdp on 2 ranks) and keeps 2 "
-        "replicas; FSDP x TP 2x2 shards tp's halves over 2 data-parallel ranks, a quarter "
-        "of the split blocks per rank. The validation losses agree to the float rounding of a "
-        "different order of sums: every layout trains the same model. The figures are tensors only: the ~0.4 GB each "
-        "process holds anyway (interpreter, torch, gloo buffers) and the activations come "
-        "on top. tests/test_parallel_nd.py checks that each layout ends with ddp's "
-        "weights, and tp's bytes at about half of ddp's.", "",
-        "### What 2 CPU cores cannot show", "",
-        "The 4-rank layouts run 4 processes on 2 cores, each with half the samples or "
-        "half the layers' work of a 2-rank process, so their step times hold the waits "
-        "for a core as much as the work: they say that the layouts run, not what they "
-        "would cost on 4 devices. Tensor parallelism pays collectives of activations in every block (an "
-        "all-gather of the q, k, v projection and two all-reduces in forward, as many in "
-        "backward), here over gloo on the cores that compute, for matrices too small to "
-        "gain from being split; on GPUs in one "
-        "node (NVLink) those all-reduces are fast and the split is what lets a layer too "
-        "large for one device, or too slow on one, run at all. HSDP's point, the FSDP "
-        "all-gathers and reduce-scatters staying on a node's fast links and only the "
-        "replicas' all-reduce of the already reduce-scattered gradient shards crossing "
-        "the slower network between nodes, needs "
-        "two nodes and a network slower than a node's links: one machine's loopback has "
-        "neither (tests/test_hsdp_hosts.py proves the layout across two network "
-        "namespaces, not its speed). And the memory saved matters where the model, not "
-        "the ~0.4 GB of each process, fills the device.", "",
+        "",
+        "fsdp shards every tensor over its ranks; tp 2 splits each block's attention heads and MLP"
+        " over 2 ranks, while the embeddings, the norms and the biases added after a row-wise "
+        "split stay whole on both, so it holds a little more than half. HSDP 2x2 shards over the 2"
+        " ranks of a replica (as fsdp on 2 ranks) and keeps 2 replicas; FSDP x TP 2x2 shards tp's "
+        "halves over 2 data-parallel ranks, a quarter of the split blocks per rank. The validation"
+        " losses agree to the float rounding of a different order of sums: every layout trains the"
+        " same model. The figures are tensors only: the ~0.4 GB each process holds anyway "
+        "(interpreter, torch, gloo buffers) and the activations come on top. "
+        "tests/test_parallel_nd.py checks that each layout ends with ddp's weights, and tp's bytes"
+        " at about half of ddp's.",
+        "",
+        "### What 2 CPU cores cannot show",
+        "",
+        "The 4-rank layouts run 4 processes on 2 cores, each with half the samples or half the "
+        "layers' work of a 2-rank process, so their step times hold the waits for a core as much "
+        "as the work: they say that the layouts run, not what they would cost on 4 devices. Tensor"
+        " parallelism pays collectives of activations in every block (an all-gather of the q, k, v"
+        " projection and two all-reduces in forward, as many in backward), here over gloo on the "
+        "cores that compute, for matrices too small to gain from being split; on GPUs in one node "
+        "(NVLink) those all-reduces are fast and the split is what lets a layer too large for one "
+        "device, or too slow on one, run at all. HSDP's point, the FSDP all-gathers and reduce-"
+        "scatters staying on a node's fast links and only the replicas' all-reduce of the already "
+        "reduce-scattered gradient shards crossing the slower network between nodes, needs two "
+        "nodes and a network slower than a node's links: one machine's loopback has neither "
+        "(tests/test_hsdp_hosts.py proves the layout across two network namespaces, not its "
+        "speed). And the memory saved matters where the model, not the ~0.4 GB of each process, "
+        "fills the device.",
+        "",
     ]
     return "\n".join(lines)
 
