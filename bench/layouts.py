@@ -140,8 +140,10 @@ def section(results: dict[str, Any]) -> str:
         "(summary.json `rank0_bytes`: parameters, gradients as materialised, optimizer "
         "state; the other ranks hold the same, give or take a padded shard). The step time "
         "is the median of the train rows after the first"
-        + (f" (1-minute load average at the end: {results['load_1min']:.1f})"
-           if "load_1min" in results else "") + ".", "",
+        + (f" (1-minute load average at the end: {results['load_1min']:.1f} on "
+           f"{m['cores']} cores: other work shared the machine, so the step times are long "
+           "and vary from run to run; the bytes do not depend on it)"
+           if results.get("load_1min", 0) > m["cores"] else "") + ".", "",
         "| layout | ranks | batch per rank | params (MB) | grads (MB) | optimizer (MB) "
         "| total vs ddp | step (ms) | vs ddp | val loss |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
