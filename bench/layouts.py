@@ -166,8 +166,8 @@ def section(results: dict[str, Any]) -> str:
         " losses agree to the float rounding of a different order of sums: every layout trains the"
         " same model. The figures are tensors only: the ~0.4 GB each process holds anyway "
         "(interpreter, torch, gloo buffers) and the activations come on top. "
-        "tests/test_parallel_nd.py checks that each layout ends with ddp's weights, and tp's bytes"
-        " at about half of ddp's.",
+        "tests/test_parallel_nd.py checks that tp, HSDP and FSDP x TP end with ddp's weights, and "
+        "tp's bytes at about half of ddp's.",
         "",
         "### What 2 CPU cores cannot show",
         "",
