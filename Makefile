@@ -82,3 +82,4 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/sharding.py
 	$(BENCH_VENV)/bin/python bench/checkpoints.py
 	$(BENCH_VENV)/bin/python bench/recompute.py
+	$(BENCH_VENV)/bin/python bench/layouts.py

@@ -70,20 +70,21 @@ def hosts() -> Iterator[TwoHosts]:
 
 def start_two_nodes(
     pair: TwoHosts, args: list[str], tmp: Path, command: str = "train", tag: str = "node",
-    **extra: str,
+    nproc: int = 1, **extra: str,
 ) -> list[subprocess.Popen[str]]:
-    """launch.sh on both hosts at once, NNODES=2, one rank each (logs in tmp/TAGN.log)."""
+    """launch.sh on both hosts at once, NNODES=2, `nproc` ranks each (logs in
+    tmp/TAGN.log)."""
     port = extra.pop("port", None) or str(free_port())  # each namespace has its own ports
-    return [start_node(pair, node, args, tmp, port, command, f"{tag}{node}", **extra)
+    return [start_node(pair, node, args, tmp, port, command, f"{tag}{node}", nproc, **extra)
             for node in range(2)]
 
 
 def start_node(pair: TwoHosts, node: int, args: list[str], tmp: Path, port: str,
-               command: str = "train", log_name: str = "", **extra: str
+               command: str = "train", log_name: str = "", nproc: int = 1, **extra: str
                ) -> subprocess.Popen[str]:
     host = pair.hosts[node]
     env = clean_env(
-        NNODES="2", NPROC_PER_NODE="1", NODE_RANK=str(node),
+        NNODES="2", NPROC_PER_NODE=str(nproc), NODE_RANK=str(node),
         MASTER_ADDR=pair.hosts[0].addr, MASTER_PORT=port, RDZV_ID=f"test{port}",
         LOCAL_ADDR=host.addr, GLOO_SOCKET_IFNAME=host.iface, COMMAND=command, **extra,
     )
@@ -94,10 +95,12 @@ def start_node(pair: TwoHosts, node: int, args: list[str], tmp: Path, port: str,
 
 
 def run_two_nodes(
-    pair: TwoHosts, args: list[str], tmp: Path, command: str = "train", timeout: float = 150
+    pair: TwoHosts, args: list[str], tmp: Path, command: str = "train", timeout: float = 150,
+    nproc: int = 1,
 ) -> list[subprocess.CompletedProcess[str]]:
-    """launch.sh on both hosts at once, NNODES=2, one rank each; returns both results."""
-    procs = start_two_nodes(pair, args, tmp, command)
+    """launch.sh on both hosts at once, NNODES=2, `nproc` ranks each; returns both
+    results."""
+    procs = start_two_nodes(pair, args, tmp, command, nproc=nproc)
     results = []
     for node, proc in enumerate(procs):
         try:
