@@ -79,7 +79,8 @@ LAYOUTS: list[Layout] = [
     Layout("tp 2", 2, {"tp": 2}),
     Layout("hsdp 2x2", 4, {"strategy": "fsdp", "dp_replicate": 2}),
     Layout("fsdp x tp 2x2", 4, {"strategy": "fsdp", "tp": 2}),
-    # Pipeline stages join as Layout("pp 2", 2, {"pp": 2}) once --pp runs.
+    Layout("pp 2", 2, {"pp": 2}),
+    Layout("fsdp x pp 2x2", 4, {"strategy": "fsdp", "pp": 2}),
 ]
 BASELINE = "ddp"
 
