@@ -46,11 +46,14 @@ class StrategyChoice:
 
     def rank_bytes(self, parameters: int, slots: int) -> dict[str, int]:
         """fp32 bytes of parameters, gradients and optimizer state one rank holds (under
-        tp, as if every parameter were split: the whole embeddings and norms are not)."""
+        tp, as if every parameter were split: the whole embeddings and norms are not;
+        under pp, as if the stages held alike)."""
         layout = self.layout or MeshLayout(dp_shard=self.world_size)
-        # fsdp shards over a replica's ranks (HSDP: not across replicas), tp splits layers.
-        sharded_over = layout.dp_shard * layout.tp if self.name == "fsdp" else layout.tp
-        name = "fsdp" if self.name == "fsdp" or layout.tp > 1 else self.name
+        # fsdp shards over a replica's ranks (HSDP: not across replicas), tp splits layers,
+        # pp gives each rank a stage of them (as if the stages were even).
+        split = layout.tp * layout.pp
+        sharded_over = layout.dp_shard * split if self.name == "fsdp" else split
+        name = "fsdp" if self.name == "fsdp" or split > 1 else self.name
         return implied_bytes(name, sharded_over, parameters, slots)
 
     @property
