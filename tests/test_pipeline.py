@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import run_cli
 from dist_utils import run_ranks
 from nd_workers import fit_runs
 from test_parallel_nd import GLOBAL_BATCH, GPT, _assert_same_weights, _reference
@@ -48,6 +49,28 @@ def test_pipeline_stages_are_the_outermost_dimension() -> None:
     assert choice.cls.__name__ == "Pipeline" and choice.checkpoint_kind == "dcp"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--pp", "2"], "--pp 2: ddptrain splits the built-in GPT only, and this run's model is "
+     "'mlp': give --pp_split package.module:fn, fn(model, stage, stages) returning the "
+     "stage's module"),
+    (["--pp", "3", "--dataset", "chars", "--pp_schedule", "interleaved1f1b",
+      "--batch_size", "48"],
+     "the GPT has 2 blocks, 4 units with its embeddings and head, and --pp asks for 6 "
+     "stages: use at most 4 stages"),
+])
+def test_a_model_ddptrain_cannot_split_is_one_line_before_the_group(
+    tmp_path: Path, flags: list[str], line: str
+) -> None:
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": flags[1], "LOCAL_WORLD_SIZE": flags[1],
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
+    res = run_cli(["train", *flags, "--output_dir", str(tmp_path / "run")], tmp_path, env=env,
+                  timeout=180)
+    assert res.returncode == 2, res.stderr
+    assert [t for t in res.stderr.splitlines() if t.strip()] == [f"ddptrain: error: {line}"]
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _reference(tmp_path_factory.mktemp("plain"), "ddp")
@@ -72,10 +95,26 @@ def test_pp2_equals_plain_under_every_schedule_and_resumes(
         {**pp, "output_dir": str(tmp_path / "resumed"),
          "resume_from": str(tmp_path / "1f1b" / "checkpoints" / "step_000000002")},
     ]
+    # A user's model and split (an MLP of 4 layers over 2 stages), and mixed precision.
+    mlp = {"model": "ppplug:mlp", "width": 32, "epochs": 2, "batch_size": 64, "lr": 0.1,
+           "optimizer": "sgd", "momentum": 0.9, "max_grad_norm": 1.0, "seed": 3}
+    bf16 = {**GPT, "batch_size": GLOBAL_BATCH, "amp_dtype": "bfloat16"}
+    runs += [
+        {**mlp, "pp": 2, "pp_split": "ppplug:split", "output_dir": str(tmp_path / "mlp")},
+        {**bf16, "pp": 2, "output_dir": str(tmp_path / "bf16")},
+    ]
     ranks = run_ranks(fit_runs, 2, tmp_path, runs)
-    one_f_one_b, gpipe, interleaved, resumed = ranks[0]
+    one_f_one_b, gpipe, interleaved, resumed, user, low = ranks[0]
     for run in (one_f_one_b, gpipe, interleaved):
         _assert_same_weights(run, plain)
+    _assert_same_weights(user, fit_runs(0, [{**mlp, "output_dir": str(tmp_path / "m1")}])[0])
+    # bf16 rounds differently when the batch is cut into micro-batches: as close to plain
+    # bf16 training as that is to fp32 (2e-3), and not fp32 (the autocast is on).
+    ref16 = fit_runs(0, [{**bf16, "output_dir": str(tmp_path / "b1")}])[0]
+    for name, value in ref16["weights"].items():
+        torch.testing.assert_close(low["weights"][name], value, atol=3e-3, rtol=0, msg=name)
+    off = max(float((low["weights"][k] - v).abs().max()) for k, v in plain["weights"].items())
+    assert off > 1e-4, off
     assert resumed["resumed_from"].endswith("step_000000002")
     for name, value in one_f_one_b["weights"].items():
         torch.testing.assert_close(resumed["weights"][name], value, atol=0, rtol=0, msg=name)

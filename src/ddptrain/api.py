@@ -154,6 +154,11 @@ def resolve_run(
 
         if model_name(config, data) == "gpt":  # its heads split over the tp ranks
             check_tensor_parallel(config.tp)
+    if config.pp > 1 and model is None and config.pp_split is None:
+        from ddptrain.models.factory import model_name
+        from ddptrain.parallel.pp import check_gpt_stages
+
+        check_gpt_stages(config, model_name(config, data))
     if not hasattr(task, "loss"):  # a built-in name, or None: the config's --task
         task = resolve_task(config if task is None else _with_task(config, task), data.facts)
     return Resolved(config, cluster, device, backend, precision, strategy, data, task)

@@ -50,6 +50,7 @@ from torch.distributed.pipelining.schedules import (
 
 from ddptrain.data.batch import Output, parse_output
 from ddptrain.errors import ConfigError
+from ddptrain.models.gpt import DEFAULT_N_LAYER
 from ddptrain.parallel.base import NO_CONTEXT, ModelBuilder, State, local_tensor, to_cpu
 from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh
@@ -89,6 +90,9 @@ class Pipeline(FSDP):
         # under the name its own modules give it.
         first = {id(p): name for name, p in module.named_parameters()}
         _keep_only(module, views)
+        # Autocast alone sets the compute precision, as in plain training: FSDP keeps its
+        # gathered parameters in fp32 (a stage's micro-batches then round as one batch).
+        self.param_dtype = None
         self._canonical = {
             name: first[id(p)] for name, p in module.named_parameters() if first[id(p)] != name
         }
@@ -265,6 +269,29 @@ class Pipeline(FSDP):
         return whole
 
 
+def check_gpt_stages(config: Any, model: str) -> None:
+    """Before the process group: a model ddptrain cannot split without `--pp_split`, or
+    more stages than the built-in GPT has units, is one line."""
+    if model != "gpt":
+        raise ConfigError(
+            f"--pp {config.pp}: ddptrain splits the built-in GPT only, and this run's model "
+            f"is {model!r}: give --pp_split package.module:fn, fn(model, stage, stages) "
+            "returning the stage's module"
+        )
+    stages = config.pp * (2 if config.pp_schedule == "interleaved1f1b" else 1)
+    _gpt_units(DEFAULT_N_LAYER, stages)
+
+
+def _gpt_units(blocks: int, stages: int) -> int:
+    units = blocks + 2
+    if units < stages:
+        raise ConfigError(
+            f"the GPT has {blocks} blocks, {units} units with its embeddings and head, and "
+            f"--pp asks for {stages} stages: use at most {units} stages"
+        )
+    return units
+
+
 def stage_split(module: nn.Module, config: Any) -> Callable[[nn.Module, int, int], nn.Module]:
     """`--pp_split` when given, the built-in GPT's split for the built-in GPT; any other
     model without a split is a ConfigError."""
@@ -293,12 +320,7 @@ class GPTStage(nn.Module):
     def __init__(self, model: nn.Module, stage: int, stages: int) -> None:
         super().__init__()
         blocks = list(model.blocks)  # type: ignore[arg-type]
-        units = len(blocks) + 2
-        if units < stages:
-            raise ConfigError(
-                f"the GPT has {len(blocks)} blocks, {units} units with its embeddings and "
-                f"head, and --pp asks for {stages} stages: use at most {units} stages"
-            )
+        units = _gpt_units(len(blocks), stages)
         lo, hi = stage * units // stages, (stage + 1) * units // stages
         self.first, self.last = lo == 0, hi == units
         self.blocks = nn.ModuleList(blocks[max(lo - 1, 0):min(hi - 1, len(blocks))])
