@@ -132,7 +132,7 @@ def section(results: dict[str, Any]) -> str:
     base = runs[BASELINE]
     base_total = sum(base["bytes"].values())
     lines = [
-        "## Layouts: ddp, fsdp, tp, hsdp", "",
+        "## Layouts: ddp, fsdp, tp, hsdp, pp", "",
         f"`bench/layouts.py`, {m['date_utc']}, {m['cpu']}, {m['cores']} cores, torch "
         f"{m['torch']}, one run per layout ({results['suite_s']:.0f} s in all). ddptrain's "
         f"GPT (2 blocks, width {WIDTH}, 4 heads, {BLOCK}-token windows) on "
@@ -167,8 +167,11 @@ def section(results: dict[str, Any]) -> str:
         " losses agree to the float rounding of a different order of sums: every layout trains the"
         " same model. The figures are tensors only: the ~0.4 GB each process holds anyway "
         "(interpreter, torch, gloo buffers) and the activations come on top. "
-        "tests/test_parallel_nd.py checks that tp, HSDP and FSDP x TP end with ddp's weights, and "
-        "tp's bytes at about half of ddp's.",
+        "pp 2 gives rank 0 the first stage (the embeddings and block 0) and rank 1 the last "
+        "(block 1, the final norm and the head, whose weight is the embedding's: both stages "
+        "hold it), about half each; FSDP x PP 2x2 shards each stage over 2 ranks. "
+        "tests/test_parallel_nd.py and tests/test_pipeline.py check that tp, pp, HSDP, FSDP x TP "
+        "and FSDP x PP end with ddp's weights, and tp's and pp's bytes at about half of ddp's.",
         "",
         "### What 2 CPU cores cannot show",
         "",
@@ -184,7 +187,11 @@ def section(results: dict[str, Any]) -> str:
         "reduce-scattered gradient shards crossing the slower network between nodes, needs two "
         "nodes and a network slower than a node's links: one machine's loopback has neither "
         "(tests/test_hsdp_hosts.py proves the layout across two network namespaces, not its "
-        "speed). And the memory saved matters where the model, not the ~0.4 GB of each process, "
+        "speed). A pipeline's stages wait for each other: with 2 micro-batches over 2 stages "
+        "each rank idles for a third of a step (the bubble, (P - 1) / (M + P - 1)), which more "
+        "micro-batches or --pp_schedule interleaved1f1b shrink; its gain, one activation per "
+        "micro-batch sent between stages instead of a collective per layer, shows between nodes,"
+        " not on one machine's cores. And the memory saved matters where the model, not the ~0.4 GB of each process, "
         "fills the device.",
         "",
     ]
