@@ -191,8 +191,8 @@ def section(results: dict[str, Any]) -> str:
         "each rank idles for a third of a step (the bubble, (P - 1) / (M + P - 1)), which more "
         "micro-batches or --pp_schedule interleaved1f1b shrink; its gain, one activation per "
         "micro-batch sent between stages instead of a collective per layer, shows between nodes,"
-        " not on one machine's cores. And the memory saved matters where the model, not the ~0.4 GB of each process, "
-        "fills the device.",
+        " not on one machine's cores. And the memory saved matters where the model, not the "
+        "~0.4 GB of each process, fills the device.",
         "",
     ]
     return "\n".join(lines)
