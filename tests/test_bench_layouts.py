@@ -10,7 +10,8 @@ from bench.layouts import BASELINE, GLOBAL_BATCH, LAYOUTS, section
 
 def test_every_layout_trains_the_same_global_batch() -> None:
     batches = {layout.name: GLOBAL_BATCH // layout.data_parallel for layout in LAYOUTS}
-    assert batches == {"ddp": 8, "fsdp": 8, "tp 2": 16, "hsdp 2x2": 4, "fsdp x tp 2x2": 8}
+    assert batches == {"ddp": 8, "fsdp": 8, "tp 2": 16, "hsdp 2x2": 4, "fsdp x tp 2x2": 8,
+                       "pp 2": 16, "fsdp x pp 2x2": 8}
     for layout in LAYOUTS:
         assert GLOBAL_BATCH % layout.data_parallel == 0, layout
     assert LAYOUTS[2].flags == ["--tp", "2"] and LAYOUTS[0].name == BASELINE
