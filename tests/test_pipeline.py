@@ -84,7 +84,9 @@ def test_pp2_equals_plain_under_every_schedule_and_resumes(
     """--pp 2 on 2 ranks, each the whole batch of 128: 1F1B (2 micro-batches), GPipe with
     2 accumulation steps of 64, interleaved 1F1B (4 stages, 4 micro-batches); the epoch's
     last batch (18 samples) is padded. Each ends with plain training's weights; a DCP
-    step directory written mid-epoch resumes to the uninterrupted run's weights."""
+    step directory written mid-epoch resumes to the uninterrupted run's weights, as 2
+    stages and on one process. A user's split of an MLP equals its plain training, and
+    bf16 autocast rounds as plain bf16 training does."""
     pp = {**GPT, "pp": 2, "batch_size": GLOBAL_BATCH}
     runs = [
         {**pp, "output_dir": str(tmp_path / "1f1b"), "save_every_steps": 2},
@@ -118,6 +120,10 @@ def test_pp2_equals_plain_under_every_schedule_and_resumes(
     assert resumed["resumed_from"].endswith("step_000000002")
     for name, value in one_f_one_b["weights"].items():
         torch.testing.assert_close(resumed["weights"][name], value, atol=0, rtol=0, msg=name)
+    # The stages' DCP directory resumes on one process (plain training) too.
+    on_one = _reference(tmp_path, "one", resume_from=resumed["resumed_from"])
+    assert on_one["resumed_from"] == resumed["resumed_from"]
+    _assert_same_weights(on_one, plain)
     # Each rank holds its stage: about half of the parameters (the tied embedding twice).
     held = [sum(r[0]["bytes"].values()) for r in ranks]
     whole = sum(plain["bytes"].values())
