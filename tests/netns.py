@@ -14,8 +14,10 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import pytest
 
 SUBNET = "10.77.0"
 
@@ -69,6 +71,21 @@ class TwoHosts:
         return subprocess.Popen(  # type: ignore[call-overload]
             ["ip", "netns", "exec", host.netns, *cmd], env=dict(env), text=True, **kwargs
         )
+
+
+@contextlib.contextmanager
+def two_hosts(tag: str | None = None) -> Iterator[TwoHosts]:
+    """Two namespace hosts for a test (skipped where namespaces cannot be made), removed
+    with every process in them afterwards."""
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    pair = TwoHosts() if tag is None else TwoHosts(tag=tag)
+    try:
+        pair.create()
+        yield pair
+    finally:
+        pair.remove()
 
 
 def unavailable() -> str | None:

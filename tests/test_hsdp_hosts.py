@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from nd_workers import fit_runs
-from netns import TwoHosts, unavailable
+from netns import TwoHosts, two_hosts
 from safetensors.torch import load_file
 from test_multinode import LAUNCH, clean_env, run_two_nodes
 
@@ -38,15 +38,8 @@ HSDP = [*GPT, "--strategy", "fsdp", "--dp_replicate", "2", "--batch_size", "32"]
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[TwoHosts]:
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    pair = TwoHosts(tag=f"{os.getpid()}h")
-    try:
-        pair.create()
+    with two_hosts(f"{os.getpid()}h") as pair:
         yield pair
-    finally:
-        pair.remove()
 
 
 def _records(directory: Path) -> dict[int, dict[str, Any]]:

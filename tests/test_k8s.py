@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, run_torchrun
-from netns import Host, TwoHosts, unavailable
+from netns import Host, TwoHosts, two_hosts
 from safetensors.torch import load_file
 from test_elastic import newest, set_pace
 
@@ -173,15 +173,8 @@ STEPS = 29  # 455 training samples, 16 a step on 2 ranks
 
 @pytest.fixture(scope="module")
 def pods() -> Iterator[TwoHosts]:
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    pair = TwoHosts(tag=f"{os.getpid()}k")
-    try:
-        pair.create()
+    with two_hosts(f"{os.getpid()}k") as pair:
         yield pair
-    finally:
-        pair.remove()
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from netns import Host, TwoHosts, unavailable
+from netns import Host, TwoHosts, two_hosts
 from safetensors.torch import load_file
 from test_elastic import crash, newest, set_pace
 
@@ -57,15 +57,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[TwoHosts]:
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    pair = TwoHosts()
-    try:
-        pair.create()
+    with two_hosts() as pair:
         yield pair
-    finally:
-        pair.remove()
 
 
 def start_two_nodes(
