@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ddptrain.errors import ConfigError
+from ddptrain.models.hf import hf_dir
 from ddptrain.parallel.tp import TPPlan, _SumGradHook
 
 # transformers' names for the two splits its plans describe that torch's styles are.
@@ -51,41 +52,64 @@ KEPT_WHOLE = {"embedding_rowwise", "colwise_gather_output", "gather"}
 
 def hf_tp_plan(module: nn.Module, tp: int) -> TPPlan | None:
     """The plan for a transformers model (GPT-2, or one whose config describes its own
-    tensor-parallel split), after checking that `tp` divides its heads; None for any
-    other model. A ConfigError when the model's plan has a split ddptrain cannot apply."""
+    tensor-parallel split), after `check_hf_config`; None for any other model."""
     import sys
 
     transformers = sys.modules.get("transformers")
     if transformers is None or not isinstance(module, transformers.PreTrainedModel):
         return None
     config = module.config
-    if getattr(config, "model_type", None) == "gpt2":
-        _check_divides(tp, config, ("n_head",))
+    if not check_hf_config(config, tp, type(module).__name__):
+        return None
+    if config.model_type == "gpt2":
         return parallelize_gpt2
+    plan = {name: STYLES[style]() for name, style in config.base_model_tp_plan.items()
+            if style in STYLES}
+    return partial(_parallelize_base, plan=plan)
+
+
+def check_hf_config(config: Any, tp: int, what: str) -> bool:
+    """Whether ddptrain has a plan for the model of this transformers config (`what`
+    names the model); a ConfigError when its heads do not split over `tp` ranks or its
+    own plan has a split ddptrain cannot apply. Needs the config only: checked before
+    the process group starts."""
+    if getattr(config, "model_type", None) == "gpt2":
+        _check_divides(tp, config, ("n_head",), what)
+        return True
     described = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not described:
-        return None
+        return False
     unknown = {k: v for k, v in described.items() if v not in STYLES and v not in KEPT_WHOLE}
     if unknown:
         name, style = next(iter(unknown.items()))
         raise ConfigError(
-            f"--tp {tp}: this {type(module).__name__}'s tensor-parallel plan splits {name} "
-            f"as {style!r}, which ddptrain does not apply (only colwise/rowwise): give "
-            "--tp_plan package.module:fn"
+            f"--tp {tp}: {what}'s tensor-parallel plan splits {name} as {style!r}, which "
+            "ddptrain does not apply (only colwise/rowwise): give --tp_plan package.module:fn"
         )
-    _check_divides(tp, config, ("num_attention_heads", "num_key_value_heads"))
-    plan = {name: STYLES[style]() for name, style in described.items() if style in STYLES}
-    return partial(_parallelize_base, plan=plan)
+    _check_divides(tp, config, ("num_attention_heads", "num_key_value_heads"), what)
+    return True
 
 
-def _check_divides(tp: int, config: Any, fields: tuple[str, ...]) -> None:
+def check_hf_dir(name: str, tp: int) -> None:
+    """`check_hf_config` for `--model hf:DIR`, from its config.json alone; a directory
+    that cannot be read is left to the model's build to report."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(hf_dir(name), local_files_only=True)
+    except Exception:
+        return
+    check_hf_config(config, tp, f"--model {name}")
+
+
+def _check_divides(tp: int, config: Any, fields: tuple[str, ...], what: str) -> None:
     counts = {f: getattr(config, f, None) for f in fields}
     bad = {f: n for f, n in counts.items() if isinstance(n, int) and n % tp}
     if bad:
         numbers = ", ".join(f"{f} {n}" for f, n in counts.items() if isinstance(n, int))
         raise ConfigError(
-            f"--tp {tp} does not divide the model's attention heads ({numbers}): choose "
-            "a tp that divides them"
+            f"--tp {tp} does not divide the attention heads of {what} ({numbers}): choose a "
+            "tp that divides them"
         )
 
 
