@@ -151,7 +151,7 @@ def resolve_run(
     if config.tp > 1 and model is None and config.tp_plan is None:
         from ddptrain.models.factory import model_name
         from ddptrain.models.gpt import check_tensor_parallel
-        from ddptrain.models.hf import is_hf_ref
+        from ddptrain.models.hf import hf_dir, is_hf_ref
 
         name = model_name(config, data)
         if name == "gpt":  # its heads split over the tp ranks
@@ -159,7 +159,7 @@ def resolve_run(
         elif is_hf_ref(name):
             from ddptrain.parallel.tp_hf import check_hf_dir
 
-            check_hf_dir(name, config.tp)
+            check_hf_dir(name, hf_dir(name), config.tp)
     if not hasattr(task, "loss"):  # a built-in name, or None: the config's --task
         task = resolve_task(config if task is None else _with_task(config, task), data.facts)
     return Resolved(config, cluster, device, backend, precision, strategy, data, task)

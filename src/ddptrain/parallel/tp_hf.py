@@ -23,7 +23,9 @@ names.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
+    Partial,
     Placement,
     Replicate,
     Shard,
@@ -41,8 +44,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ddptrain.errors import ConfigError
-from ddptrain.models.hf import hf_dir
-from ddptrain.parallel.tp import TPPlan, _SumGradHook
 
 # transformers' names for the two splits its plans describe that torch's styles are.
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -50,7 +51,7 @@ STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 KEPT_WHOLE = {"embedding_rowwise", "colwise_gather_output", "gather"}
 
 
-def hf_tp_plan(module: nn.Module, tp: int) -> TPPlan | None:
+def hf_tp_plan(module: nn.Module, tp: int) -> Callable[[nn.Module, DeviceMesh], Any] | None:
     """The plan for a transformers model (GPT-2, or one whose config describes its own
     tensor-parallel split), after `check_hf_config`; None for any other model."""
     import sys
@@ -90,13 +91,13 @@ def check_hf_config(config: Any, tp: int, what: str) -> bool:
     return True
 
 
-def check_hf_dir(name: str, tp: int) -> None:
-    """`check_hf_config` for `--model hf:DIR`, from its config.json alone; a directory
-    that cannot be read is left to the model's build to report."""
+def check_hf_dir(name: str, directory: Path, tp: int) -> None:
+    """`check_hf_config` for `--model hf:DIR` (`name`), from its config.json alone; a
+    directory that cannot be read is left to the model's build to report."""
     import transformers
 
     try:
-        config = transformers.AutoConfig.from_pretrained(hf_dir(name), local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     except Exception:
         return
     check_hf_config(config, tp, f"--model {name}")
@@ -121,17 +122,15 @@ def _parallelize_base(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Parall
 def parallelize_gpt2(model: nn.Module, mesh: DeviceMesh) -> None:
     """GPT-2's plan (see the module's docstring)."""
     tp, rank = mesh.size(), mesh.get_local_rank()
-    group = mesh.get_group()
     for block in model.base_model.h:  # type: ignore[union-attr]
         attn = block.attn
         parallelize_module(block, mesh, {
-            "attn.c_attn": Conv1DParallel(colwise=True, output=Replicate()),
+            "attn.c_attn": Conv1DParallel(colwise=True, output=Replicate(), partial_grad=True),
             "attn.c_proj": Conv1DParallel(colwise=False),
             "mlp.c_fc": Conv1DParallel(colwise=True),
             "mlp.c_proj": Conv1DParallel(colwise=False),
         })
         width = int(attn.split_size) // tp
-        attn.c_attn.register_forward_hook(_SumGradHook(group))
         attn.c_attn.register_forward_hook(partial(_own_heads, start=rank * width, width=width))
         attn.split_size = width  # q, k, v of this rank's heads
 
@@ -139,7 +138,7 @@ def parallelize_gpt2(model: nn.Module, mesh: DeviceMesh) -> None:
 def _own_heads(
     module: nn.Module, args: Any, output: torch.Tensor, start: int, width: int
 ) -> torch.Tensor:
-    """This rank's heads of the gathered q, k and v (each `3 * width * tp` wide)."""
+    """This rank's heads of the gathered q, k and v (each `width * tp` wide)."""
     q, k, v = output.chunk(3, dim=-1)
     return torch.cat([t[..., start:start + width] for t in (q, k, v)], dim=-1)
 
@@ -148,11 +147,16 @@ class Conv1DParallel(ParallelStyle):
     """transformers' `Conv1D` (`x @ weight + bias`, weight `(in, out)`) split by columns
     (the output features: replicated input, output sharded on its last dimension unless
     `output` says otherwise) or by rows (the input features: input sharded on its last
-    dimension, output summed over the ranks). Outputs are local tensors."""
+    dimension, output summed over the ranks). Outputs are local tensors; `partial_grad`:
+    each rank uses its own part of a gathered output, so the output's gradient is each
+    rank's share of it, summed over the ranks in backward (a reduce-scatter)."""
 
-    def __init__(self, *, colwise: bool, output: Placement | None = None) -> None:
+    def __init__(
+        self, *, colwise: bool, output: Placement | None = None, partial_grad: bool = False
+    ) -> None:
         super().__init__()
         self.colwise = colwise
+        self.partial_grad = partial_grad
         self.input = Replicate() if colwise else Shard(-1)
         self.output = output or (Shard(-1) if colwise else Replicate())
 
@@ -180,4 +184,4 @@ class Conv1DParallel(ParallelStyle):
     def _prepare_output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> Any:
         if output.placements != (self.output,):
             output = output.redistribute(placements=[self.output])
-        return output.to_local()
+        return output.to_local(grad_placements=[Partial()] if self.partial_grad else None)
