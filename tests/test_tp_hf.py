@@ -1,9 +1,9 @@
 """Tensor parallelism for Hugging Face models built from a config (`--model hf:DIR --tp
 2`): which models have a plan, heads that tp does not divide refused with one line, and
-real gloo groups where a Llama-style model (grouped-query attention) and GPT-2 (fused
-Conv1D q, k, v; tied head) split over 2 ranks each end with the weights of plain training
-on one process with the same global batch, with SGD momentum and a clip that acts on
-some steps only."""
+real gloo groups where Llama-style models (grouped-query attention; Qwen2's biased q, k,
+v) and GPT-2 (fused Conv1D q, k, v; tied head) split over 2 ranks each end with the
+weights of plain training on one process with the same global batch, with SGD momentum
+and a clip that acts on some steps only."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from ddptrain.parallel.tp_hf import check_hf_config, parallelize_gpt2
 transformers = pytest.importorskip("transformers")
 
 
-def _llama(**fields: Any) -> Any:
+def _llama(cls: str = "LlamaConfig", **fields: Any) -> Any:
     # 4 query heads sharing 2 key-value heads: each of 2 tp ranks keeps 2 and 1.
-    return transformers.LlamaConfig(**{
+    return getattr(transformers, cls)(**{
         "vocab_size": 20, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 32,
         "bos_token_id": 0, "eos_token_id": 0, **fields,
@@ -99,27 +99,31 @@ def test_hf_heads_tp_does_not_divide_are_one_line_before_the_group(tmp_path: Pat
 
 
 # ---------------------------------------------------------------- real process groups
-# 76 counting sequences of 16 tokens, a global batch of 16: 5 optimizer steps. Unclipped,
-# the gradient norms are Llama 2.2, 3.3, 2.6, 6.7, 7.5 and GPT-2 2.5, 3.5, 6.4, 4.8, 2.9
-# under this clip: it acts on some steps of each only, so a wrong norm changes which.
+# 76 counting sequences of 16 tokens, a global batch of 16: 5 optimizer steps. Under this
+# clip the gradient norms (before it) are Llama 2.2, 3.3, 2.6, 6.7, 7.5; GPT-2 2.5, 3.5,
+# 6.4, 4.8, 2.9; Qwen2 2.3, 3.1, 4.8, 4.1, 5.8: it acts on some steps of each only, so a
+# wrong norm changes which, and a wrong gradient scale is not clipped away.
 RUN = dict(dataset="hfplug:counting", epochs=1, optimizer="sgd", lr=0.5, momentum=0.9,
            max_grad_norm=3.0, log_interval=1, seed=3, tensorboard=False, batch_size=16)
+MODELS = ("llama", "gpt2", "qwen2")
 
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_hf_llama_and_gpt2_under_tp2_equal_plain_training(tmp_path: Path) -> None:
+def test_hf_llama_qwen2_and_gpt2_under_tp2_equal_plain_training(tmp_path: Path) -> None:
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(_llama()).save_pretrained(tmp_path / "llama")
     transformers.GPT2LMHeadModel(_gpt2()).save_pretrained(tmp_path / "gpt2")
+    # Qwen2: Llama's layout with biases on q, k and v (split with their columns).
+    transformers.Qwen2ForCausalLM(_llama("Qwen2Config")).save_pretrained(tmp_path / "qwen2")
 
     def runs(name: str, **fields: Any) -> list[dict[str, Any]]:
         return [{**RUN, "model": f"hf:{tmp_path / m}", "output_dir": str(tmp_path / name / m),
-                 **fields} for m in ("llama", "gpt2")]
+                 **fields} for m in MODELS]
 
     plain = fit_runs(0, runs("plain"))
     split = run_ranks(fit_runs, 2, tmp_path, runs("tp", tp=2))[0]
-    for model, ref, got in zip(("llama", "gpt2"), plain, split, strict=True):
+    for model, ref, got in zip(MODELS, plain, split, strict=True):
         assert got["summary"]["strategy"] == "tp"
         assert sorted(got["weights"]) == sorted(ref["weights"])  # the model's own names
         for name, value in ref["weights"].items():
