@@ -15,11 +15,15 @@ import torch
 from conftest import run_cli
 from dist_utils import run_ranks
 from nd_workers import fit_runs
+from torch.distributed.tensor import DTensor
 
 from ddptrain.config import TrainingConfig
+from ddptrain.data.sources import load_data
 from ddptrain.errors import ConfigError
+from ddptrain.launch.process_group import setup_distributed, teardown_distributed
 from ddptrain.parallel.tp import tensor_parallel_plan
 from ddptrain.parallel.tp_hf import check_hf_config, parallelize_gpt2
+from ddptrain.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
 
@@ -137,3 +141,38 @@ def test_hf_llama_qwen2_and_gpt2_under_tp2_equal_plain_training(tmp_path: Path) 
             torch.testing.assert_close(value, ref["weights"][name], atol=1e-5, rtol=0, msg=name)
     gpt2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "gpt2" / "hf")
     assert gpt2.lm_head.weight.data_ptr() == gpt2.transformer.wte.weight.data_ptr()
+
+
+def _whole_parts_after_fit(rank: int, run: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """This rank's own copy of the parts every tp rank holds whole, after training."""
+    config = TrainingConfig(**run).validate()
+    ctx = setup_distributed(config)
+    clean = False
+    try:
+        trainer = Trainer(config, ctx, load_data(config))
+        trainer.fit()
+        whole = {}
+        for name, p in trainer.module.named_parameters():
+            if isinstance(p, DTensor) and "tp" not in (p.device_mesh.mesh_dim_names or ()):
+                whole[name] = p.to_local().detach().clone()  # FSDP over 1 rank: all of it
+        clean = True
+        return whole
+    finally:
+        teardown_distributed(clean)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_hf_gpt2_with_dropout_keeps_its_whole_parts_alike_on_the_tp_ranks(
+    tmp_path: Path
+) -> None:
+    """GPT-2's default dropout acts on activations each tp rank holds whole: the peers
+    draw the same masks, so the embeddings, norms and tied head they keep stay equal."""
+    transformers.GPT2LMHeadModel(_gpt2(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+                                 ).save_pretrained(tmp_path / "gpt2")
+    run = {**RUN, "model": f"hf:{tmp_path / 'gpt2'}", "output_dir": str(tmp_path / "run"),
+           "tp": 2}
+    first, second = run_ranks(_whole_parts_after_fit, 2, tmp_path, run)
+    assert {"transformer.wte.weight", "transformer.ln_f.weight"} <= set(first)
+    for name, value in first.items():
+        torch.testing.assert_close(second[name], value, atol=0, rtol=0, msg=name)
