@@ -40,6 +40,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.parallel.base import ModelBuilder
 from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.mesh import tp_mesh
+from ddptrain.parallel.tp_hf import hf_tp_plan
 from ddptrain.plugins import load_ref
 
 log = logging.getLogger("ddptrain")
@@ -103,8 +104,6 @@ def tensor_parallel_plan(module: nn.Module, config: TrainingConfig) -> TPPlan:
         return fn
     if _gpt_layout(module):
         return parallelize_gpt
-    from ddptrain.parallel.tp_hf import hf_tp_plan  # it builds on this module
-
     if (hf := hf_tp_plan(module, config.tp)) is not None:
         return hf
     raise ConfigError(
