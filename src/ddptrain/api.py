@@ -151,14 +151,21 @@ def resolve_run(
     if config.tp > 1 and model is None and config.tp_plan is None:
         from ddptrain.models.factory import model_name
         from ddptrain.models.gpt import check_tensor_parallel
+        from ddptrain.models.hf import hf_dir, is_hf_ref
 
-        if model_name(config, data) == "gpt":  # its heads split over the tp ranks
+        name = model_name(config, data)
+        if name == "gpt":  # its heads split over the tp ranks
             check_tensor_parallel(config.tp)
+        elif is_hf_ref(name):
+            from ddptrain.parallel.tp_hf import check_hf_dir
+
+            check_hf_dir(name, hf_dir(name), config.tp)
     if config.pp > 1 and model is None and config.pp_split is None:
         from ddptrain.models.factory import model_name
+        from ddptrain.models.gpt import DEFAULT_N_LAYER
         from ddptrain.parallel.pp import check_gpt_stages
 
-        check_gpt_stages(config, model_name(config, data))
+        check_gpt_stages(config, model_name(config, data), DEFAULT_N_LAYER)
     if not hasattr(task, "loss"):  # a built-in name, or None: the config's --task
         task = resolve_task(config if task is None else _with_task(config, task), data.facts)
     return Resolved(config, cluster, device, backend, precision, strategy, data, task)

@@ -50,7 +50,6 @@ from torch.distributed.pipelining.schedules import (
 
 from ddptrain.data.batch import Output, parse_output
 from ddptrain.errors import ConfigError
-from ddptrain.models.gpt import DEFAULT_N_LAYER
 from ddptrain.parallel.base import NO_CONTEXT, ModelBuilder, State, local_tensor, to_cpu
 from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh
@@ -269,9 +268,9 @@ class Pipeline(FSDP):
         return whole
 
 
-def check_gpt_stages(config: Any, model: str) -> None:
+def check_gpt_stages(config: Any, model: str, blocks: int) -> None:
     """Before the process group: a model ddptrain cannot split without `--pp_split`, or
-    more stages than the built-in GPT has units, is one line."""
+    more stages than the built-in GPT (of `blocks` blocks) has units, is one line."""
     if model != "gpt":
         raise ConfigError(
             f"--pp {config.pp}: ddptrain splits the built-in GPT only, and this run's model "
@@ -279,7 +278,7 @@ def check_gpt_stages(config: Any, model: str) -> None:
             "returning the stage's module"
         )
     stages = config.pp * (2 if config.pp_schedule == "interleaved1f1b" else 1)
-    _gpt_units(DEFAULT_N_LAYER, stages)
+    _gpt_units(blocks, stages)
 
 
 def _gpt_units(blocks: int, stages: int) -> int:

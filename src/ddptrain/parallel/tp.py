@@ -40,6 +40,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.parallel.base import ModelBuilder
 from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.mesh import tp_mesh
+from ddptrain.parallel.tp_hf import hf_tp_plan
 from ddptrain.plugins import load_ref
 
 log = logging.getLogger("ddptrain")
@@ -91,8 +92,9 @@ class TensorParallel(FSDP):
 
 
 def tensor_parallel_plan(module: nn.Module, config: TrainingConfig) -> TPPlan:
-    """`--tp_plan` when given, the built-in GPT's plan for the built-in GPT; any other
-    model without a plan is a ConfigError."""
+    """`--tp_plan` when given, the built-in GPT's plan for the built-in GPT, a Hugging
+    Face model's (`tp_hf`) for GPT-2 and Llama-style models; any other model without a
+    plan is a ConfigError."""
     if config.tp_plan:
         fn = load_ref(config.tp_plan, "tp_plan")
         if not callable(fn):
@@ -102,9 +104,12 @@ def tensor_parallel_plan(module: nn.Module, config: TrainingConfig) -> TPPlan:
         return fn
     if _gpt_layout(module):
         return parallelize_gpt
+    if (hf := hf_tp_plan(module, config.tp)) is not None:
+        return hf
     raise ConfigError(
-        f"--tp {config.tp}: ddptrain has a tensor-parallel plan for the built-in GPT only, "
-        f"and this model is a {type(module).__name__}: give --tp_plan package.module:fn, "
+        f"--tp {config.tp}: ddptrain has tensor-parallel plans for the built-in GPT and "
+        f"Hugging Face GPT-2 and Llama-style models, and this model is a "
+        f"{type(module).__name__}: give --tp_plan package.module:fn, "
         "fn(model, tp_mesh) calling parallelize_module"
     )
 

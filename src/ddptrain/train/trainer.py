@@ -147,7 +147,9 @@ class Trainer:
             Curves(sync=config.tracker != "none"), *tracker_hooks(config, ctx),
             *steering_hooks(config.early_stopping, config.early_stopping_min_delta), *hooks,
         ])
-        seed_process(config.seed + ctx.rank)  # per-rank randomness (dropout, user aug.)
+        # Per data-parallel rank (dropout, user aug.): tensor-parallel peers draw alike, or
+        # dropout on the activations they hold whole would differ between them.
+        seed_process(config.seed + ctx.data_rank)
         kind = self.choice.checkpoint_kind_for(
             sum(p.numel() for p in self.module.parameters()), optimizer_slots(config)
         )
