@@ -19,10 +19,11 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from metaplug import _Watch, held_bytes
-from nd_workers import fit_runs
+from nd_workers import fit_in_group, fit_runs
 from torch import nn
 
 from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext
 from ddptrain.data.sources import load_data
 from ddptrain.launch.process_group import setup_distributed, teardown_distributed
 from ddptrain.models.gpt import build_gpt
@@ -42,21 +43,47 @@ def _max_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> flo
     return max(float((got[k].float() - v.float()).abs().max()) for k, v in ref.items())
 
 
-@pytest.mark.slow
-@pytest.mark.heavy
-def test_tp2_with_accumulation_equals_plain_and_under_bf16_stays_close(tmp_path: Path) -> None:
-    plain = {**GPT, "batch_size": GLOBAL_BATCH}
-    bf16 = {"amp_dtype": "bfloat16"}
-    ref, ref_bf16 = fit_runs(0, [
-        {**plain, "output_dir": str(tmp_path / "plain")},
-        {**plain, **bf16, "output_dir": str(tmp_path / "plain_bf16")},
-    ])
+PLAIN = {**GPT, "batch_size": GLOBAL_BATCH}
+BF16 = {"amp_dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One 2-rank group (starting one is much of a test's time), for each rank: the
+    set-up of a --tp 2 trainer watched (`watch_tp_setup`), then two --tp 2 runs:
+    accumulation (half the batch, 2 micro-steps) and bf16 autocast."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    watched = {**GPT, "tp": 2, "batch_size": 8, "output_dir": str(tmp / "watched")}
     runs = [
         {**GPT, "tp": 2, "batch_size": GLOBAL_BATCH // 2, "grad_accum_steps": 2,
-         "output_dir": str(tmp_path / "tp_accum")},
-        {**plain, **bf16, "tp": 2, "output_dir": str(tmp_path / "tp_bf16")},
+         "output_dir": str(tmp / "tp_accum")},
+        {**PLAIN, **BF16, "tp": 2, "output_dir": str(tmp / "tp_bf16")},
     ]
-    accum, tp_bf16 = run_ranks(fit_runs, 2, tmp_path, runs)[0]
+    ranks = run_ranks(tp_ranks, 2, tmp, watched, runs)
+    return [{**r, "dir": tmp, "watched": watched} for r in ranks]
+
+
+def tp_ranks(rank: int, watched: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ctx = setup_distributed(TrainingConfig(**watched).validate())
+    clean = False
+    try:
+        result = {"setup": watch_tp_setup(ctx, watched), "fits": fit_in_group(ctx, runs)}
+        clean = True
+    finally:
+        teardown_distributed(clean)
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_tp2_with_accumulation_equals_plain_and_under_bf16_stays_close(
+    tp2: list[dict[str, Any]],
+) -> None:
+    ref, ref_bf16 = fit_runs(0, [
+        {**PLAIN, "output_dir": str(tp2[0]["dir"] / "plain")},
+        {**PLAIN, **BF16, "output_dir": str(tp2[0]["dir"] / "plain_bf16")},
+    ])
+    accum, tp_bf16 = tp2[0]["fits"]
 
     assert _max_diff(accum["weights"], ref["weights"]) <= 1e-5
     assert accum["summary"]["samples"] == ref["summary"]["samples"]
@@ -76,13 +103,12 @@ def test_tp2_with_accumulation_equals_plain_and_under_bf16_stays_close(tmp_path:
 
 
 # ---------------------------------------------------------------- meta-device start
-def watch_tp_setup(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
+def watch_tp_setup(ctx: DistributedContext, overrides: dict[str, Any]) -> dict[str, Any]:
     """Build a `--tp` trainer from a factory of the built-in GPT (as `fit(model=fn)`) and
     report: whether the training module the factory first built (the one the strategy
     sets up) was on the meta device, the peak bytes it held while the trainer was built
     (sampled after every tensor operation), and the gathered initial weights."""
     config = TrainingConfig(**overrides).validate()
-    ctx = setup_distributed(config)
     data = load_data(config)
     watch = _Watch()
     built: list[nn.Module] = []
@@ -96,32 +122,24 @@ def watch_tp_setup(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
             watch.module = model
         return model
 
-    clean = False
-    try:
-        with watch:
-            trainer = Trainer(config, ctx, data, module=factory)
-        watch.sample()
-        state = trainer.strategy.model_state(trainer.module)  # collective
-        result = {
-            "on_meta": on_meta[0], "peak": watch.peak, "samples": watch.samples,
-            "held": held_bytes(trainer.module), "same": built[0] is trainer.module,
-            "state": {k: v.detach().clone() for k, v in state.items()},
-        }
-        del trainer
-        clean = True
-    finally:
-        teardown_distributed(clean)
-    return result
+    with watch:
+        trainer = Trainer(config, ctx, data, module=factory)
+    watch.sample()
+    state = trainer.strategy.model_state(trainer.module)  # collective
+    return {
+        "on_meta": on_meta[0], "peak": watch.peak, "samples": watch.samples,
+        "held": held_bytes(trainer.module), "same": built[0] is trainer.module,
+        "state": {k: v.detach().clone() for k, v in state.items()},
+    }
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_tp_starts_on_the_meta_device_and_no_rank_ever_holds_the_whole_model(
-    tmp_path: Path,
+    tp2: list[dict[str, Any]],
 ) -> None:
-    job = {**GPT, "tp": 2, "batch_size": 8, "output_dir": str(tmp_path / "run")}
-    ranks = run_ranks(watch_tp_setup, 2, tmp_path, job)
-
-    config = TrainingConfig(**job).validate()
+    ranks = [r["setup"] for r in tp2]
+    config = TrainingConfig(**tp2[0]["watched"]).validate()
     torch.manual_seed(config.seed)  # the seeded whole-model start of every other layout
     whole = build_gpt(load_data(config).facts.vocab_size or 0, config.block_size, config.width)
     whole_bytes = held_bytes(whole)
@@ -135,3 +153,62 @@ def test_tp_starts_on_the_meta_device_and_no_rank_ever_holds_the_whole_model(
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
+
+
+# ---------------------------------------------------------------- bytes per rank
+@pytest.mark.parametrize(("flags", "layout", "per_rank"), [
+    # 7B parameters, AdamW, fp32: 16 bytes each, split over the ranks that shard a replica
+    (["--tp", "2", "--world_size", "8", "--strategy", "fsdp"],
+     "fsdp; dp_shard 4 x tp 2 on 8 rank(s)", "= 13.0 GiB per rank"),
+    (["--tp", "2", "--dp_replicate", "2", "--world_size", "8", "--strategy", "fsdp"],
+     "fsdp; dp_replicate 2 x dp_shard 2 x tp 2 on 8 rank(s)", "= 26.1 GiB per rank"),
+    (["--tp", "4", "--world_size", "4"], "ddp; tp 4 on 4 rank(s)", "= 26.1 GiB per rank"),
+    (["--world_size", "8"], "ddp on 8 rank(s)", "= 104.3 GiB per rank"),
+])
+def test_doctor_prints_the_layouts_bytes_per_rank(
+    flags: list[str], layout: str, per_rank: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ddptrain.launch.doctor import main
+
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["--parameters", "7B", *flags]) == 0  # one process: no collective
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("strategy"))
+    assert line.startswith(f"strategy   {layout}, 7,000,000,000 parameters, adamw: "), line
+    assert line.endswith(per_rank), line
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tp", "2"], "--tp 2 is the layout of a job of several ranks and this doctor runs as "
+                    "one process: add --world_size N"),
+    (["--tp", "3", "--world_size", "8", "--strategy", "fsdp"],
+     "world size 8 is not dp_replicate 1 x data-parallel shards x tp 3 x pp 1"),
+    (["--dp_replicate", "2", "--world_size", "4"], "--dp_replicate 2 is HSDP"),
+    (["--tp", "0", "--world_size", "4"], "--tp 0 is invalid: use a positive number of ranks"),
+])
+def test_doctor_refuses_a_layout_that_does_not_fit_in_one_line(
+    flags: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ddptrain.errors import ConfigError
+    from ddptrain.launch.doctor import main
+
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        main(["--parameters", "7B", *flags])
+
+
+def test_the_plan_prints_the_layouts_bytes_per_rank(tmp_path: Path) -> None:
+    from ddptrain.parallel import resolve_strategy
+    from ddptrain.train import format_plan, make_plan
+
+    config = TrainingConfig(**{**GPT, "strategy": "fsdp", "tp": 2, "dp_replicate": 2,
+                               "output_dir": str(tmp_path)}).validate()
+    choice = resolve_strategy(config, 8, "cpu")
+    plan = make_plan(config, load_data(config), 8, "cpu", "gloo", "fp32", "language model",
+                     10**6, choice)
+    line = next(x for x in format_plan(plan, config).splitlines() if x.startswith("memory"))
+    # SGD with momentum: parameters, gradients, one buffer; 10^6 x 4 bytes over 2 x 2 ranks
+    assert line == ("memory          params 976.6 KiB, grads 976.6 KiB, optimizer 976.6 KiB = "
+                    "2.9 MiB per rank (fsdp; dp_replicate 2 x dp_shard 2 x tp 2)")
