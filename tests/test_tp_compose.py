@@ -2,7 +2,8 @@
 
 1. `--tp 2` with gradient accumulation (half the batch, 2 micro-steps: the same global
    batch) ends with the weights of plain training on one process; under bf16 autocast it
-   ends close to plain bf16 training.
+   ends close to plain bf16 training; with `--sequence_parallel` (the norms split by
+   sequence) it equals plain training.
 2. Its start-up is fsdp's meta-device one: the module is built on the meta device, and
    while it is split, sharded and filled no rank's module ever holds the whole model; it
    starts from the whole-model seeded weights, bitwise.
@@ -51,13 +52,14 @@ BF16 = {"amp_dtype": "bfloat16"}
 def tp2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """One 2-rank group (starting one is much of a test's time), for each rank: the
     set-up of a --tp 2 trainer watched (`watch_tp_setup`), then two --tp 2 runs:
-    accumulation (half the batch, 2 micro-steps) and bf16 autocast."""
+    accumulation (half the batch, 2 micro-steps), bf16 autocast, sequence parallelism."""
     tmp = tmp_path_factory.mktemp("tp2")
     watched = {**GPT, "tp": 2, "batch_size": 8, "output_dir": str(tmp / "watched")}
     runs = [
         {**GPT, "tp": 2, "batch_size": GLOBAL_BATCH // 2, "grad_accum_steps": 2,
          "output_dir": str(tmp / "tp_accum")},
         {**PLAIN, **BF16, "tp": 2, "output_dir": str(tmp / "tp_bf16")},
+        {**PLAIN, "tp": 2, "sequence_parallel": True, "output_dir": str(tmp / "tp_sp")},
     ]
     ranks = run_ranks(tp_ranks, 2, tmp, watched, runs)
     return [{**r, "dir": tmp, "watched": watched} for r in ranks]
@@ -74,16 +76,23 @@ def tp_ranks(rank: int, watched: dict[str, Any], runs: list[dict[str, Any]]) -> 
     return result
 
 
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Plain training on one process, the whole global batch: fp32, then bf16."""
+    tmp = tmp_path_factory.mktemp("plain")
+    return fit_runs(0, [
+        {**PLAIN, "output_dir": str(tmp / "plain")},
+        {**PLAIN, **BF16, "output_dir": str(tmp / "plain_bf16")},
+    ])
+
+
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_tp2_with_accumulation_equals_plain_and_under_bf16_stays_close(
-    tp2: list[dict[str, Any]],
+    tp2: list[dict[str, Any]], plain: list[dict[str, Any]],
 ) -> None:
-    ref, ref_bf16 = fit_runs(0, [
-        {**PLAIN, "output_dir": str(tp2[0]["dir"] / "plain")},
-        {**PLAIN, **BF16, "output_dir": str(tp2[0]["dir"] / "plain_bf16")},
-    ])
-    accum, tp_bf16 = tp2[0]["fits"]
+    ref, ref_bf16 = plain
+    accum, tp_bf16, _ = tp2[0]["fits"]
 
     assert _max_diff(accum["weights"], ref["weights"]) <= 1e-5
     assert accum["summary"]["samples"] == ref["summary"]["samples"]
@@ -100,6 +109,35 @@ def test_tp2_with_accumulation_equals_plain_and_under_bf16_stays_close(
     assert near <= 1e-2, near
     # ...and it did train in bf16: nearer plain bf16 than plain fp32.
     assert near < _max_diff(tp_bf16["weights"], ref["weights"])
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_tp2_with_sequence_parallel_equals_plain(
+    tp2: list[dict[str, Any]], plain: list[dict[str, Any]],
+) -> None:
+    ref, sp = plain[0], tp2[0]["fits"][2]
+    assert _max_diff(sp["weights"], ref["weights"]) <= 1e-5
+    assert sp["summary"]["val_loss"] == pytest.approx(ref["summary"]["val_loss"], abs=1e-5)
+    # Split norms hold whole weights on each tp rank (replicated DTensors): same bytes.
+    assert sp["bytes"] == tp2[0]["fits"][0]["bytes"]
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"sequence_parallel": True}, "--sequence_parallel splits the built-in GPT's norms over "
+                                  "the tp ranks and --tp is 1: add --tp 2"),
+    ({"sequence_parallel": True, "tp": 2, "tp_plan": "mypkg.plans:tp"},
+     "--tp_plan 'mypkg.plans:tp' is a plan of its own: drop the flag"),
+])
+def test_sequence_parallel_without_the_gpt_plan_is_refused_before_the_group(
+    fields: dict[str, Any], message: str,
+) -> None:
+    from ddptrain.errors import ConfigError
+    from ddptrain.parallel import resolve_strategy
+
+    config = TrainingConfig(**{"output_dir": "/tmp/unused", **fields}).validate()
+    with pytest.raises(ConfigError, match=message):
+        resolve_strategy(config, 2, "cpu")
 
 
 # ---------------------------------------------------------------- meta-device start

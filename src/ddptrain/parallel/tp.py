@@ -24,6 +24,7 @@ one, whichever mesh each parameter lives on.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -32,8 +33,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError
@@ -61,6 +69,13 @@ class TensorParallel(FSDP):
         mesh = tp_mesh(self.ctx)
         assert mesh is not None, "TensorParallel runs on a mesh with a tp dimension"
         plan = tensor_parallel_plan(module, self.config)
+        if self.config.sequence_parallel:
+            if plan is not parallelize_gpt:
+                raise ConfigError(
+                    f"--sequence_parallel is the built-in GPT's, and this model is a "
+                    f"{type(module).__name__}: drop the flag"
+                )
+            plan = functools.partial(parallelize_gpt, sequence_parallel=True)
         plan(module, mesh)
         if self.ctx.data_world == 1:
             # fsdp computes with low-precision copies of the weights to halve its
@@ -113,8 +128,12 @@ def tensor_parallel_plan(module: nn.Module, config: TrainingConfig) -> TPPlan:
     )
 
 
-def parallelize_gpt(model: nn.Module, mesh: DeviceMesh) -> None:
-    """The built-in GPT's plan (see the module's docstring)."""
+def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """The built-in GPT's plan (see the module's docstring). `sequence_parallel`: the norms
+    and the residual stream between them are split by sequence over the tp ranks, each
+    holding T / tp tokens; attention and the MLP all-gather their input's tokens and
+    reduce-scatter their output (the traffic of the all-reduce they replace), and the
+    tied head gathers them back."""
     tp, rank = mesh.size(), mesh.get_local_rank()
     heads = int(model.config.n_head)  # type: ignore[union-attr, arg-type]
     if heads % tp:
@@ -122,17 +141,55 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh) -> None:
             f"--tp {tp} does not divide the GPT's {heads} attention heads: choose a tp "
             "that does"
         )
+    block_size = int(model.config.block_size)  # type: ignore[union-attr, arg-type]
+    if sequence_parallel and block_size % tp:
+        raise ConfigError(
+            f"--sequence_parallel splits the GPT's {block_size} tokens over --tp {tp} "
+            "ranks: choose a --block_size that tp divides, or drop the flag"
+        )
     group = mesh.get_group()
     per_rank = heads // tp
+    tokens = Shard(1)  # (B, T, C): the sequence dimension
+    gather = PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(Replicate(),),
+                                use_local_output=True)
     for block in model.blocks:  # type: ignore[union-attr]
-        parallelize_module(block, mesh, {
+        out = tokens if sequence_parallel else Replicate()
+        plan: dict[str, ParallelStyle] = {
             "attn.c_attn": ColwiseParallel(output_layouts=Replicate()),
-            "attn.c_proj": RowwiseParallel(),
+            "attn.c_proj": RowwiseParallel(output_layouts=out),
             "mlp.c_fc": ColwiseParallel(),
-            "mlp.c_proj": RowwiseParallel(),
-        })
+            "mlp.c_proj": RowwiseParallel(output_layouts=out),
+        }
+        if sequence_parallel:
+            norm = SequenceParallel(use_local_output=True)
+            plan.update({"ln_1": norm, "attn": gather, "ln_2": norm, "mlp": gather})
+        parallelize_module(block, mesh, plan)
         block.attn.head_range = (rank * per_rank, per_rank)
         block.attn.c_attn.register_forward_hook(_SumGradHook(group))
+    if sequence_parallel:
+        split = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(tokens,),
+                                   use_local_output=True)
+        parallelize_module(model, mesh, {
+            "blocks.0": split, "ln_f": SequenceParallel(use_local_output=True),
+            "lm_head": gather,
+        })
+        model.register_forward_pre_hook(_EvenTokens(tp))
+
+
+class _EvenTokens:
+    """Refuses a batch whose sequence the tp ranks cannot split evenly."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        tokens = args[0].size(1) if args and isinstance(args[0], torch.Tensor) else 0
+        if tokens % self.tp:
+            raise ConfigError(
+                f"--sequence_parallel splits each sequence over --tp {self.tp} ranks and a "
+                f"batch has {tokens} tokens: feed sequences whose length tp divides, or drop "
+                "the flag"
+            )
 
 
 def _gpt_layout(module: nn.Module) -> bool:
