@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import run_cli
 from dist_utils import run_ranks
 from metaplug import _Watch, held_bytes
 from nd_workers import fit_in_group, fit_runs
@@ -138,6 +139,25 @@ def test_sequence_parallel_without_the_gpt_plan_is_refused_before_the_group(
     config = TrainingConfig(**{"output_dir": "/tmp/unused", **fields}).validate()
     with pytest.raises(ConfigError, match=message):
         resolve_strategy(config, 2, "cpu")
+
+
+@pytest.mark.slow
+def test_sequence_parallel_over_tokens_tp_does_not_divide_is_one_line_exit_2(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 of a 2-rank job: refused before it meets its peers (none runs; the port is
+    closed), the directory untouched."""
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
+    res = run_cli(["train", "--dataset", "chars", "--block_size", "63", "--tp", "2",
+                   "--sequence_parallel", "--output_dir", str(tmp_path / "run")], tmp_path,
+                  env=env, timeout=180)
+    assert res.returncode == 2, res.stderr
+    assert [x for x in res.stderr.splitlines() if x.strip()] == [
+        "ddptrain: error: --sequence_parallel splits the GPT's 63 tokens over --tp 2 ranks: "
+        "choose a --block_size that tp divides, or drop the flag"
+    ], res.stderr
+    assert not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------- meta-device start

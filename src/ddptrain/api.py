@@ -153,7 +153,8 @@ def resolve_run(
         from ddptrain.models.gpt import check_tensor_parallel
 
         if model_name(config, data) == "gpt":  # its heads split over the tp ranks
-            check_tensor_parallel(config.tp)
+            tokens = data.input_shape[0] if config.sequence_parallel else None
+            check_tensor_parallel(config.tp, tokens=tokens)
     if not hasattr(task, "loss"):  # a built-in name, or None: the config's --task
         task = resolve_task(config if task is None else _with_task(config, task), data.facts)
     return Resolved(config, cluster, device, backend, precision, strategy, data, task)

@@ -13,6 +13,7 @@ each rank takes its own heads from it, and the output projection is split by row
 all-reduce). The gathered output's gradient is summed over the tp ranks (each holds only
 its heads' part of it). Embeddings, norms and the tied head stay whole on every tp rank
 (plain tensors, identical there), sharded by FSDP over the data-parallel ranks.
+`--sequence_parallel` splits the norms too, by sequence (`parallelize_gpt`).
 
 Any other model takes a plan of its own: `--tp_plan package.module:fn`, where
 `fn(model, tp_mesh)` parallelizes the model in place (`parallelize_module`).
@@ -142,7 +143,7 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool 
             "that does"
         )
     block_size = int(model.config.block_size)  # type: ignore[union-attr, arg-type]
-    if sequence_parallel and block_size % tp:
+    if sequence_parallel and block_size % tp:  # a model handed over: `fit` checks the rest
         raise ConfigError(
             f"--sequence_parallel splits the GPT's {block_size} tokens over --tp {tp} "
             "ranks: choose a --block_size that tp divides, or drop the flag"
