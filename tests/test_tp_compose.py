@@ -3,7 +3,7 @@
 1. `--tp 2` with gradient accumulation (half the batch, 2 micro-steps: the same global
    batch) ends with the weights of plain training on one process; under bf16 autocast it
    ends close to plain bf16 training; with `--sequence_parallel` (the norms split by
-   sequence) it equals plain training.
+   sequence) it equals plain training, alone and as FSDP x TP on 4 ranks.
 2. Its start-up is fsdp's meta-device one: the module is built on the meta device, and
    while it is split, sharded and filled no rank's module ever holds the whole model; it
    starts from the whole-model seeded weights, bitwise.
@@ -122,6 +122,23 @@ def test_tp2_with_sequence_parallel_equals_plain(
     assert sp["summary"]["val_loss"] == pytest.approx(ref["summary"]["val_loss"], abs=1e-5)
     # Split norms hold whole weights on each tp rank (replicated DTensors): same bytes.
     assert sp["bytes"] == tp2[0]["fits"][0]["bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_fsdp_x_tp_with_sequence_parallel_and_accumulation_on_4_ranks_equals_plain(
+    tmp_path: Path, plain: list[dict[str, Any]],
+) -> None:
+    """2 data-parallel ranks x tp 2, batch 32 and 2 micro-steps: the same global batch;
+    the split norms are sharded by fsdp too (2-D), and the start is on the meta device."""
+    run = {**GPT, "strategy": "fsdp", "tp": 2, "sequence_parallel": True,
+           "batch_size": GLOBAL_BATCH // 4, "grad_accum_steps": 2,
+           "output_dir": str(tmp_path / "fsdp_tp_sp")}
+    got = run_ranks(fit_runs, 4, tmp_path, [run])[0][0]
+    ref = plain[0]
+    assert _max_diff(got["weights"], ref["weights"]) <= 1e-5
+    assert got["summary"]["samples"] == ref["summary"]["samples"]
+    assert got["summary"]["val_loss"] == pytest.approx(ref["summary"]["val_loss"], abs=1e-5)
 
 
 @pytest.mark.parametrize(("fields", "message"), [
