@@ -155,7 +155,8 @@ def resolve_run(
 
         name = model_name(config, data)
         if name == "gpt":  # its heads split over the tp ranks
-            check_tensor_parallel(config.tp)
+            tokens = data.input_shape[0] if config.sequence_parallel else None
+            check_tensor_parallel(config.tp, tokens=tokens)
         elif is_hf_ref(name):
             from ddptrain.parallel.tp_hf import check_hf_dir
 

@@ -174,6 +174,11 @@ class TrainingConfig:
         "package.module:fn, fn(model, tp_mesh) parallelizes a model that is not the "
         "built-in GPT under --tp",
     )
+    sequence_parallel: bool = _f(
+        False,
+        "built-in GPT under --tp: norms and residual stream split by sequence over the tp "
+        "ranks (their activations / tp, same traffic; the sequence length must divide)",
+    )
     find_unused_parameters: bool = _f(
         False,
         "ddp, zero: a model whose steps leave some parameters out of the loss (a branch "

@@ -223,6 +223,12 @@ def build_parser() -> ErrorParser:
                              "strategy implies")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw",
                         help="optimizer, for the state it keeps (default: adamw)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel degree of the job, for the bytes per rank")
+    parser.add_argument("--dp_replicate", type=int, default=1,
+                        help="HSDP replicas of the job (--strategy fsdp), for the bytes per rank")
+    parser.add_argument("--world_size", type=int, default=None,
+                        help="ranks of the job, for the bytes per rank (default: this launch's)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations per size")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per size")
     return parser
@@ -272,15 +278,30 @@ def main(argv: list[str]) -> int:
 
 
 def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
-    """The strategy, and what it implies per rank for a model of `--parameters`."""
+    """The strategy and its layout (`--tp`, `--dp_replicate` over `--world_size` ranks),
+    and what it implies per rank for a model of `--parameters`."""
     from ddptrain.config import TrainingConfig
     from ddptrain.parallel import resolve_strategy
     from ddptrain.parallel.memory import format_bytes, optimizer_slots
 
-    config = TrainingConfig(strategy=args.strategy, optimizer=args.optimizer)
-    choice = resolve_strategy(config, world_size, device)
+    for flag in ("tp", "dp_replicate", "world_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag} {value} is invalid: use a positive number of ranks")
+    if args.world_size is None and world_size == 1 and args.tp * args.dp_replicate > 1:
+        flags = " ".join(f"--{f} {getattr(args, f)}" for f in ("tp", "dp_replicate")
+                         if getattr(args, f) > 1)
+        raise ConfigError(
+            f"{flags} is the layout of a job of "
+            "several ranks and this doctor runs as one process: add --world_size N (the "
+            "job's ranks), or launch the doctor as the job is launched"
+        )
+    world_size = args.world_size or world_size
+    config = TrainingConfig(strategy=args.strategy, optimizer=args.optimizer, tp=args.tp,
+                            dp_replicate=args.dp_replicate)
+    choice = resolve_strategy(config, world_size, device)  # a layout that does not fit: one line
     if args.parameters is None:
-        return f"strategy   {choice.name} (give --parameters 125M for the bytes per rank)"
+        return f"strategy   {choice.label} (give --parameters 125M for the bytes per rank)"
     text = args.parameters.strip().upper()
     scale = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}.get(text[-1:], 1)
     digits = text[:-1] if scale > 1 else text
@@ -291,7 +312,7 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
             f"--parameters {args.parameters!r} is invalid: use a count such as 125M or 7B"
         ) from None
     figures = choice.rank_bytes(count, optimizer_slots(config))
-    return (f"strategy   {choice.name} on {world_size} rank(s), {count:,} parameters, "
+    return (f"strategy   {choice.label} on {world_size} rank(s), {count:,} parameters, "
             f"{args.optimizer}: {format_bytes(figures)}")
 
 

@@ -159,13 +159,20 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def check_tensor_parallel(tp: int, n_head: int = DEFAULT_N_HEAD) -> None:
+def check_tensor_parallel(
+    tp: int, n_head: int = DEFAULT_N_HEAD, tokens: int | None = None
+) -> None:
     """Refuse a tensor-parallel degree that does not divide the heads (each rank computes
-    `n_head / tp` of them)."""
+    `n_head / tp` of them), or under `--sequence_parallel` the `tokens` of a sequence."""
     if n_head % tp:
         raise ConfigError(
             f"--tp {tp} does not divide the GPT's {n_head} attention heads: choose a tp "
             "that does"
+        )
+    if tokens is not None and tokens % tp:
+        raise ConfigError(
+            f"--sequence_parallel splits the GPT's {tokens} tokens over --tp {tp} ranks: "
+            "choose a --block_size that tp divides, or drop the flag"
         )
 
 

@@ -79,6 +79,13 @@ def plan_mesh(
             f"--tp_plan {config.tp_plan!r} is a tensor-parallel plan and --tp is 1: add "
             "--tp 2 (or more), or drop the flag"
         )
+    if config.sequence_parallel and (t == 1 or config.tp_plan):
+        raise ConfigError(
+            "--sequence_parallel splits the built-in GPT's norms over the tp ranks and "
+            + (f"--tp_plan {config.tp_plan!r} is a plan of its own: drop the flag, or have "
+               "the plan split them" if config.tp_plan else "--tp is 1: add --tp 2 (or more), "
+               "or drop the flag")
+        )
     fixed = r * t * p
     if world_size % fixed:
         raise ConfigError(

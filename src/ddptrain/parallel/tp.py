@@ -13,6 +13,7 @@ each rank takes its own heads from it, and the output projection is split by row
 all-reduce). The gathered output's gradient is summed over the tp ranks (each holds only
 its heads' part of it). Embeddings, norms and the tied head stay whole on every tp rank
 (plain tensors, identical there), sharded by FSDP over the data-parallel ranks.
+`--sequence_parallel` splits the norms too, by sequence (`parallelize_gpt`).
 
 Any other model takes a plan of its own: `--tp_plan package.module:fn`, where
 `fn(model, tp_mesh)` parallelizes the model in place (`parallelize_module`).
@@ -24,6 +25,7 @@ one, whichever mesh each parameter lives on.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -32,12 +34,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.base import ModelBuilder
 from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.mesh import tp_mesh
 from ddptrain.parallel.tp_hf import hf_tp_plan
@@ -52,19 +60,31 @@ class TensorParallel(FSDP):
     dimensions (one rank each when tp takes every rank: FSDP then only makes every
     parameter a DTensor, so all of them clip, checkpoint and export alike).
 
-    The model is built whole on every rank (seeded: the same weights) and each rank keeps
-    its slice; a meta-device start is left to plain fsdp."""
+    Start-up is fsdp's (`FSDP.build_module`): the model is built on the meta device, split
+    by the plan and sharded there, and each rank then allocates only its own slices and
+    fills them from rank 0's seeded template in host memory, so no rank's device ever
+    holds the whole model and the weights are those of a whole-model start."""
 
     name = "tp"
-
-    def build_module(self, build: ModelBuilder) -> nn.Module:
-        return build(self.ctx.device)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         mesh = tp_mesh(self.ctx)
         assert mesh is not None, "TensorParallel runs on a mesh with a tp dimension"
         plan = tensor_parallel_plan(module, self.config)
+        if self.config.sequence_parallel:
+            if plan is not parallelize_gpt:
+                raise ConfigError(
+                    f"--sequence_parallel is the built-in GPT's, and this model is a "
+                    f"{type(module).__name__}: drop the flag"
+                )
+            plan = functools.partial(parallelize_gpt, sequence_parallel=True)
         plan(module, mesh)
+        if self.ctx.data_world == 1:
+            # fsdp computes with low-precision copies of the weights to halve its
+            # all-gathers; with tp on every rank it gathers nothing, and those copies
+            # would put the residual stream in bf16. Autocast alone keeps fp32 weights and
+            # lowers the matmuls only, as plain training does: 0.1% of it, not 5%.
+            self.param_dtype = None
         return super().setup_module(module)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -114,8 +134,12 @@ def tensor_parallel_plan(module: nn.Module, config: TrainingConfig) -> TPPlan:
     )
 
 
-def parallelize_gpt(model: nn.Module, mesh: DeviceMesh) -> None:
-    """The built-in GPT's plan (see the module's docstring)."""
+def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """The built-in GPT's plan (see the module's docstring). `sequence_parallel`: the norms
+    and the residual stream between them are split by sequence over the tp ranks, each
+    holding T / tp tokens; attention and the MLP all-gather their input's tokens and
+    reduce-scatter their output (the traffic of the all-reduce they replace), and the
+    tied head gathers them back."""
     tp, rank = mesh.size(), mesh.get_local_rank()
     heads = int(model.config.n_head)  # type: ignore[union-attr, arg-type]
     if heads % tp:
@@ -123,17 +147,55 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh) -> None:
             f"--tp {tp} does not divide the GPT's {heads} attention heads: choose a tp "
             "that does"
         )
+    block_size = int(model.config.block_size)  # type: ignore[union-attr, arg-type]
+    if sequence_parallel and block_size % tp:  # a model handed over: `fit` checks the rest
+        raise ConfigError(
+            f"--sequence_parallel splits the GPT's {block_size} tokens over --tp {tp} "
+            "ranks: choose a --block_size that tp divides, or drop the flag"
+        )
     group = mesh.get_group()
     per_rank = heads // tp
+    tokens = Shard(1)  # (B, T, C): the sequence dimension
+    gather = PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(Replicate(),),
+                                use_local_output=True)
     for block in model.blocks:  # type: ignore[union-attr]
-        parallelize_module(block, mesh, {
+        out = tokens if sequence_parallel else Replicate()
+        plan: dict[str, ParallelStyle] = {
             "attn.c_attn": ColwiseParallel(output_layouts=Replicate()),
-            "attn.c_proj": RowwiseParallel(),
+            "attn.c_proj": RowwiseParallel(output_layouts=out),
             "mlp.c_fc": ColwiseParallel(),
-            "mlp.c_proj": RowwiseParallel(),
-        })
+            "mlp.c_proj": RowwiseParallel(output_layouts=out),
+        }
+        if sequence_parallel:
+            norm = SequenceParallel(use_local_output=True)
+            plan.update({"ln_1": norm, "attn": gather, "ln_2": norm, "mlp": gather})
+        parallelize_module(block, mesh, plan)
         block.attn.head_range = (rank * per_rank, per_rank)
         block.attn.c_attn.register_forward_hook(_SumGradHook(group))
+    if sequence_parallel:
+        split = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(tokens,),
+                                   use_local_output=True)
+        parallelize_module(model, mesh, {
+            "blocks.0": split, "ln_f": SequenceParallel(use_local_output=True),
+            "lm_head": gather,
+        })
+        model.register_forward_pre_hook(_EvenTokens(tp))
+
+
+class _EvenTokens:
+    """Refuses a batch whose sequence the tp ranks cannot split evenly."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        tokens = args[0].size(1) if args and isinstance(args[0], torch.Tensor) else 0
+        if tokens % self.tp:
+            raise ConfigError(
+                f"--sequence_parallel splits each sequence over --tp {self.tp} ranks and a "
+                f"batch has {tokens} tokens: feed sequences whose length tp divides, or drop "
+                "the flag"
+            )
 
 
 def _gpt_layout(module: nn.Module) -> bool:
