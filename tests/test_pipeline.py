@@ -6,18 +6,30 @@ written by another layout."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, run_torchrun
 from dist_utils import run_ranks
 from nd_workers import fit_runs
+from procs import (  # noqa: F401  (reap: an autouse fixture)
+    assert_bitwise,
+    assert_same_log,
+    rank_of,
+    reap,
+    torchrun,
+    weights,
+    worker_pids,
+)
 from test_parallel_nd import GLOBAL_BATCH, GPT, _assert_same_weights, _reference
 
 from ddptrain.config import TrainingConfig
-from ddptrain.errors import ConfigError
+from ddptrain.errors import EXIT_PREEMPTED, ConfigError
 from ddptrain.parallel import resolve_strategy
 from ddptrain.parallel.mesh import plan_mesh
 
@@ -128,3 +140,40 @@ def test_pp2_equals_plain_under_every_schedule_and_resumes(
     held = [sum(r[0]["bytes"].values()) for r in ranks]
     whole = sum(plain["bytes"].values())
     assert all(0.3 < h / whole < 0.75 for h in held), (held, whole)
+
+
+# The built-in GPT as 2 stages: 4 epochs of 34 steps, a DCP step directory every 10.
+PP_JOB = ["train", "--dataset", "chars", "--block_size", "64", "--width", "64", "--batch_size",
+          "16", "--epochs", "4", "--pp", "2", "--log_interval", "10", "--save_every_steps",
+          "10", "--seed", "3"]
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_sigterm_to_one_stage_stops_both_and_the_resume_is_bitwise_exact(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM to the last stage's rank only: both stages stop at the same step with a
+    checkpoint and exit 75; `--resume_from auto` ends with the uninterrupted run's weights
+    and log, bit for bit."""
+    reference = tmp_path / "reference"
+    done = run_torchrun(2, [*PP_JOB, "--output_dir", str(reference)], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+    agent = torchrun([*PP_JOB, "--output_dir", str(run)], tmp_path, [])
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoints" / "step_000000020").is_dir():
+        assert agent.poll() is None and time.monotonic() < deadline, "no step 20 checkpoint"
+        time.sleep(0.2)
+    os.kill(next(p for p in worker_pids(agent.pid) if rank_of(p) == 1), signal.SIGTERM)
+    _, err = agent.communicate(timeout=120)
+    steps = {int(x.split()[0]) for x in err.split("stopped by SIGTERM at step ")[1:]}
+    assert len(steps) == 1 and err.count("stopped by SIGTERM at step") == 2, err[-3000:]
+    assert f"exitcode  : {EXIT_PREEMPTED}" in err, err[-3000:]
+    assert steps.pop() < 136, "the run ended before the signal"
+    resumed = run_torchrun(
+        2, [*PP_JOB, "--output_dir", str(run), "--resume_from", "auto"], cwd=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bitwise(weights(run), weights(reference))
+    assert_same_log(run, reference)
