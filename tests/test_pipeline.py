@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import run_cli, run_torchrun
 from dist_utils import run_ranks
+from metaplug import held_bytes
 from nd_workers import fit_runs
 from procs import (  # noqa: F401  (reap: an autouse fixture)
     assert_bitwise,
@@ -27,9 +28,12 @@ from procs import (  # noqa: F401  (reap: an autouse fixture)
     worker_pids,
 )
 from test_parallel_nd import GLOBAL_BATCH, GPT, _assert_same_weights, _reference
+from test_tp_compose import watched_ranks
 
 from ddptrain.config import TrainingConfig
+from ddptrain.data.sources import load_data
 from ddptrain.errors import EXIT_PREEMPTED, ConfigError
+from ddptrain.models.gpt import build_gpt
 from ddptrain.parallel import resolve_strategy
 from ddptrain.parallel.mesh import plan_mesh
 
@@ -177,3 +181,25 @@ def test_sigterm_to_one_stage_stops_both_and_the_resume_is_bitwise_exact(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bitwise(weights(run), weights(reference))
     assert_same_log(run, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_pp_starts_on_the_meta_device_and_no_rank_holds_more_than_its_stage(
+    tmp_path: Path,
+) -> None:
+    """The module the strategy sets up is built on the meta device; while the trainer is
+    built, no rank holds more than its stage (about half of the GPT; the tied embedding
+    on both), and the gathered initial weights are a seeded whole-model start's."""
+    watched = {**GPT, "pp": 2, "batch_size": 8, "output_dir": str(tmp_path / "watched")}
+    ranks = [r["setup"] for r in run_ranks(watched_ranks, 2, tmp_path, watched, [])]
+    config = TrainingConfig(**watched).validate()
+    torch.manual_seed(config.seed)
+    whole = build_gpt(load_data(config).facts.vocab_size or 0, config.block_size, config.width)
+    whole_bytes = held_bytes(whole)
+    for rank, r in enumerate(ranks):
+        assert r["on_meta"] and r["same"], rank
+        assert r["samples"] > 50, r["samples"]
+        assert 0 < r["held"] <= r["peak"] <= 0.75 * whole_bytes, (rank, r["peak"], whole_bytes)
+    for name, value in whole.state_dict().items():
+        assert torch.equal(ranks[0]["state"][name], value), name

@@ -52,7 +52,7 @@ BF16 = {"amp_dtype": "bfloat16"}
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """One 2-rank group (starting one is much of a test's time), for each rank: the
-    set-up of a --tp 2 trainer watched (`watch_tp_setup`), then two --tp 2 runs:
+    set-up of a --tp 2 trainer watched (`watch_setup`), then two --tp 2 runs:
     accumulation (half the batch, 2 micro-steps), bf16 autocast, sequence parallelism."""
     tmp = tmp_path_factory.mktemp("tp2")
     watched = {**GPT, "tp": 2, "batch_size": 8, "output_dir": str(tmp / "watched")}
@@ -62,15 +62,15 @@ def tp2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         {**PLAIN, **BF16, "tp": 2, "output_dir": str(tmp / "tp_bf16")},
         {**PLAIN, "tp": 2, "sequence_parallel": True, "output_dir": str(tmp / "tp_sp")},
     ]
-    ranks = run_ranks(tp_ranks, 2, tmp, watched, runs)
+    ranks = run_ranks(watched_ranks, 2, tmp, watched, runs)
     return [{**r, "dir": tmp, "watched": watched} for r in ranks]
 
 
-def tp_ranks(rank: int, watched: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+def watched_ranks(rank: int, watched: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
     ctx = setup_distributed(TrainingConfig(**watched).validate())
     clean = False
     try:
-        result = {"setup": watch_tp_setup(ctx, watched), "fits": fit_in_group(ctx, runs)}
+        result = {"setup": watch_setup(ctx, watched), "fits": fit_in_group(ctx, runs)}
         clean = True
     finally:
         teardown_distributed(clean)
@@ -178,8 +178,8 @@ def test_sequence_parallel_over_tokens_tp_does_not_divide_is_one_line_exit_2(
 
 
 # ---------------------------------------------------------------- meta-device start
-def watch_tp_setup(ctx: DistributedContext, overrides: dict[str, Any]) -> dict[str, Any]:
-    """Build a `--tp` trainer from a factory of the built-in GPT (as `fit(model=fn)`) and
+def watch_setup(ctx: DistributedContext, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Build a trainer (`--tp`, `--pp`) from a factory of the built-in GPT (as `fit(model=fn)`) and
     report: whether the training module the factory first built (the one the strategy
     sets up) was on the meta device, the peak bytes it held while the trainer was built
     (sampled after every tensor operation), and the gathered initial weights."""

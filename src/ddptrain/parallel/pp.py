@@ -47,10 +47,11 @@ from torch.distributed.pipelining.schedules import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ddptrain.data.batch import Output, parse_output
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.base import NO_CONTEXT, ModelBuilder, State, local_tensor, to_cpu
+from ddptrain.parallel.base import NO_CONTEXT, State, local_tensor, to_cpu
 from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh
 from ddptrain.plugins import load_ref
@@ -66,14 +67,15 @@ _GATHERED = StateDictOptions(full_state_dict=True)  # each stage's tensors whole
 class Pipeline(FSDP):
     """Pipeline stages over the mesh's `pp` dimension, each stage sharded by FSDP over the
     data-parallel dimensions (one rank each when pp takes every rank: FSDP then only makes
-    every parameter a DTensor). The model is built whole (seeded: the same weights on
-    every rank) and each rank keeps its stages' parameters."""
+    every parameter a DTensor).
+
+    Start-up is fsdp's where the model allows it: built on the meta device, cut into
+    stages, each rank's stages sharded, and only then allocated and filled from rank 0's
+    seeded template in host memory, so no rank's device ever holds more than its stages
+    and the weights are those of a whole-model start."""
 
     name = "pp"
     pipelined = True
-
-    def build_module(self, build: ModelBuilder) -> nn.Module:
-        return build(self.ctx.device)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         mesh = pp_mesh(self.ctx)
@@ -88,6 +90,7 @@ class Pipeline(FSDP):
         # optimizer's state by its first name in the whole model; each stage keeps it
         # under the name its own modules give it.
         first = {id(p): name for name, p in module.named_parameters()}
+        whole = _tensors_by_identity(module)  # on meta: what the template will fill
         _keep_only(module, views)
         # Autocast alone sets the compute precision, as in plain training: FSDP keeps its
         # gathered parameters in fp32 (a stage's micro-batches then round as one batch).
@@ -95,7 +98,10 @@ class Pipeline(FSDP):
         self._canonical = {
             name: first[id(p)] for name, p in module.named_parameters() if first[id(p)] != name
         }
+        on_meta, self._on_meta = self._on_meta, False  # filled below, stage by stage
         self.views = [FSDP.setup_module(self, view) for view in views]
+        if on_meta:
+            self._fill(module, whole)
         group = mesh.get_group()
         self._module, self._pp_group = module, group
         # A tensor several stages hold (the tied embedding): shapes of this rank's shard,
@@ -131,6 +137,29 @@ class Pipeline(FSDP):
         if isinstance(blocks, nn.ModuleList) and not self.config.fsdp_wrap:
             return list(blocks)
         return super()._units(module)
+
+    @torch.no_grad()
+    def _fill(self, module: nn.Module, whole: list[tuple[list[str], torch.Tensor]]) -> None:
+        """Allocate this rank's stages (their shards) and fill them from rank 0's seeded
+        template, one tensor at a time: rank 0 broadcasts each tensor of the whole model
+        once, and the ranks that hold it keep their slice. Collective."""
+        for view in self.views:
+            view.to_empty(device=self.ctx.device)
+        template, self._template = self._template, None
+        source = _named_tensors(template) if template is not None else {}
+        held = _named_tensors(module)
+        for names, meta in whole:
+            full = (source[names[0]].detach().to(self.ctx.device) if template is not None
+                    else torch.empty(meta.shape, dtype=meta.dtype, device=self.ctx.device))
+            dist.broadcast(full, src=0)
+            for name in names:
+                target = held.get(name)
+                if isinstance(target, DTensor):
+                    mine = distribute_tensor(full, target.device_mesh, target.placements,
+                                             src_data_rank=None)  # each rank slices its own
+                    target.to_local().copy_(mine.to_local())
+                elif target is not None:
+                    target.copy_(full)
 
     # ------------------------------------------------------------------ step
     def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
@@ -373,6 +402,20 @@ def _shared_parameters(
     shared = sorted(n for n, ranks in holders.items() if len(ranks) > 1)
     shapes = {n: every[holders[n][0]][n] for n in shared}
     return shapes, {n: holders[n][0] for n in shared}
+
+
+def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `module` under each of its names."""
+    return {**dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False))}
+
+
+def _tensors_by_identity(module: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """The module's tensors, each once, with all of its names (a tied one has several)."""
+    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, t in _named_tensors(module).items():
+        groups.setdefault(id(t), ([], t))[0].append(name)
+    return list(groups.values())
 
 
 def _renamed(optim: State, names: dict[str, str]) -> State:
