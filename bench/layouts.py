@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.run import bench_env, machine  # noqa: E402
-from bench.sharding import write_section  # noqa: E402
+from bench.sharding import save_and_write  # noqa: E402
 
 WIDTH, BLOCK, VOCAB, TRAIN_WINDOWS, GLOBAL_BATCH = 256, 64, 64, 96, 16
 JOB = ["train", "--dataset", "bench.layouts:windows", "--model", "gpt", "--width", str(WIDTH),
@@ -205,8 +205,9 @@ def main() -> int:
     parser.add_argument("--report_only", action="store_true",
                         help="rebuild the section from the saved figures")
     args = parser.parse_args()
+    results: dict[str, Any] | None = None
     if not args.report_only:
-        results: dict[str, Any] = {"machine": machine(), "runs": {}}
+        results = {"machine": machine(), "runs": {}}
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="bench-layouts-") as tmp:
             for i, layout in enumerate(LAYOUTS):
@@ -214,12 +215,7 @@ def main() -> int:
                 print(layout.name, results["runs"][layout.name], flush=True)
         results["suite_s"] = time.perf_counter() - t0
         results["load_1min"] = os.getloadavg()[0]
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps(results, indent=1) + "\n")
-    results = json.loads(args.results.read_text())
-    write_section(args.docs, section(results), START, END)
-    print(f"wrote the layouts section of {args.docs}")
-    return 0
+    return save_and_write(args, results, section, "layouts", START, END)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.run import bench_env, machine  # noqa: E402
-from bench.sharding import write_section  # noqa: E402
+from bench.sharding import save_and_write  # noqa: E402
 
 DEPTH, WIDTH, BLOCK, VOCAB = 24, 64, 256, 64
 JOB = ["train", "--dataset", "bench.recompute:tokens", "--model", "bench.recompute:deep_gpt",
@@ -125,8 +125,9 @@ def main() -> int:
     parser.add_argument("--report_only", action="store_true",
                         help="rebuild the section from the saved figures")
     args = parser.parse_args()
+    results: dict[str, Any] | None = None
     if not args.report_only:
-        results: dict[str, Any] = {"machine": machine(), "runs": {}}
+        results = {"machine": machine(), "runs": {}}
         with tempfile.TemporaryDirectory(prefix="bench-recompute-") as tmp:
             for name, nproc, strategy in RUNS:
                 results["runs"][name] = {
@@ -135,12 +136,7 @@ def main() -> int:
                 }
                 print(name, results["runs"][name], flush=True)
         results["load_1min"] = os.getloadavg()[0]  # the step times depend on it, memory not
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps(results, indent=1) + "\n")
-    results = json.loads(args.results.read_text())
-    write_section(args.docs, section(results), START, END)
-    print(f"wrote the activation checkpointing section of {args.docs}")
-    return 0
+    return save_and_write(args, results, section, "activation checkpointing", START, END)
 
 
 if __name__ == "__main__":

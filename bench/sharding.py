@@ -36,6 +36,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -652,6 +653,21 @@ def _resume(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def save_and_write(
+    args: Any, fresh: dict[str, Any] | None, section: Callable[[dict[str, Any]], str],
+    what: str, start: str = START_MARK, end: str = END_MARK,
+) -> int:
+    """Save `fresh` figures (None: `--report_only`, nothing measured) to `args.results`,
+    then write the docs section from the saved ones; the exit code."""
+    if fresh is not None:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps(fresh, indent=1) + "\n")
+    results = json.loads(args.results.read_text())
+    write_section(args.docs, section(results), start, end)
+    print(f"wrote the {what} section of {args.docs}")
+    return 0
+
+
 def write_section(md: Path, text: str, start: str = START_MARK, end: str = END_MARK) -> None:
     """Put `text` between the markers `start` and `end` of `md` (the sharding ones unless
     told; appended when they are missing)."""
@@ -681,15 +697,11 @@ def main() -> int:
     parser.add_argument("--report_only", action="store_true",
                         help="rebuild the section from the saved figures")
     args = parser.parse_args()
+    results = None
     if not args.report_only:
         results = run_suite(args)
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps(results, indent=1) + "\n")
-        print(f"whole suite {results['suite_seconds']:.0f} s; wrote {args.results}")
-    results = json.loads(args.results.read_text())
-    write_section(args.docs, section(results))
-    print(f"wrote the sharding section of {args.docs}")
-    return 0
+        print(f"whole suite {results['suite_seconds']:.0f} s")
+    return save_and_write(args, results, section, "sharding")
 
 
 if __name__ == "__main__":
