@@ -225,6 +225,8 @@ def build_parser() -> ErrorParser:
                         help="optimizer, for the state it keeps (default: adamw)")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel degree of the job, for the bytes per rank")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline stages of the job, for the bytes per rank")
     parser.add_argument("--dp_replicate", type=int, default=1,
                         help="HSDP replicas of the job (--strategy fsdp), for the bytes per rank")
     parser.add_argument("--world_size", type=int, default=None,
@@ -278,18 +280,18 @@ def main(argv: list[str]) -> int:
 
 
 def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
-    """The strategy and its layout (`--tp`, `--dp_replicate` over `--world_size` ranks),
+    """The strategy and its layout (`--tp`, `--pp`, `--dp_replicate` over `--world_size` ranks),
     and what it implies per rank for a model of `--parameters`."""
     from ddptrain.config import TrainingConfig
     from ddptrain.parallel import resolve_strategy
     from ddptrain.parallel.memory import format_bytes, optimizer_slots
 
-    for flag in ("tp", "dp_replicate", "world_size"):
+    for flag in ("tp", "pp", "dp_replicate", "world_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag} {value} is invalid: use a positive number of ranks")
-    if args.world_size is None and world_size == 1 and args.tp * args.dp_replicate > 1:
-        flags = " ".join(f"--{f} {getattr(args, f)}" for f in ("tp", "dp_replicate")
+    if args.world_size is None and world_size == 1 and args.tp * args.pp * args.dp_replicate > 1:
+        flags = " ".join(f"--{f} {getattr(args, f)}" for f in ("tp", "pp", "dp_replicate")
                          if getattr(args, f) > 1)
         raise ConfigError(
             f"{flags} is the layout of a job of "
@@ -298,7 +300,7 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
         )
     world_size = args.world_size or world_size
     config = TrainingConfig(strategy=args.strategy, optimizer=args.optimizer, tp=args.tp,
-                            dp_replicate=args.dp_replicate)
+                            pp=args.pp, dp_replicate=args.dp_replicate)
     choice = resolve_strategy(config, world_size, device)  # a layout that does not fit: one line
     if args.parameters is None:
         return f"strategy   {choice.label} (give --parameters 125M for the bytes per rank)"
