@@ -10,6 +10,7 @@ FailureConfig, and the retry resumes from the newest checkpoint.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,15 @@ def test_a_sigkilled_worker_is_retried_by_ray_and_resumes_bitwise(
     assert [line.split()[-1] for line in attempts.read_text().splitlines()] == ["0", "20"]
     assert_bitwise(weights(run), weights(reference))
     assert_same_log(run, reference)
+
+
+def test_a_ray_address_nothing_answers_at_is_one_line_at_once(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ray.init` would retry a dead address for minutes and end in a traceback."""
+    monkeypatch.setenv("RAY_ADDRESS", "ray://127.0.0.1:9")  # the discard port: closed
+    t0 = time.monotonic()
+    assert main(["ray", "--workers", "2", "--output_dir", str(tmp_path / "run")]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "RAY_ADDRESS 'ray://127.0.0.1:9': nothing answers at 127.0.0.1:9" in line, line
+    assert time.monotonic() - t0 < 30

@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -149,6 +150,7 @@ def run_on_ray(argv: list[str], fit: Fit) -> tuple[TrainingConfig, dict[str, Any
 def _connect(ray: Any, args: argparse.Namespace) -> bool:
     """Join the cluster RAY_ADDRESS names, or start a local one; True if we started it."""
     if os.environ.get("RAY_ADDRESS"):
+        _reachable(os.environ["RAY_ADDRESS"], timeout=10.0)
         ray.init(log_to_driver=True, logging_level=logging.WARNING)
         return False
     # A local cluster gets the CPUs the workers ask for even on a smaller machine (they
@@ -166,6 +168,24 @@ def _connect(ray: Any, args: argparse.Namespace) -> bool:
     ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
              log_to_driver=True, logging_level=logging.WARNING)
     return True
+
+
+def _reachable(address: str, timeout: float) -> None:
+    """A cluster address (`ray://host:port`, `host:port`) that nothing answers at is one
+    line, at once: `ray.init` would retry it for minutes and end in a traceback. `auto`
+    and other forms are Ray's to resolve."""
+    rest = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = rest.rstrip("/").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"RAY_ADDRESS {address!r}: nothing answers at {host}:{port} "
+            f"({exc.strerror or type(exc).__name__}); start the cluster there (ray start "
+            "--head), or unset RAY_ADDRESS to train on a local one"
+        ) from None
 
 
 def _local_gpus() -> int:
