@@ -16,7 +16,6 @@ The report goes into docs/BENCHMARKS.md between `<!-- recompute:start -->` and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.run import bench_env, machine  # noqa: E402
-from bench.sharding import save_and_write  # noqa: E402
+from bench.sharding import save_and_write, section_parser  # noqa: E402
 
 DEPTH, WIDTH, BLOCK, VOCAB = 24, 64, 256, 64
 JOB = ["train", "--dataset", "bench.recompute:tokens", "--model", "bench.recompute:deep_gpt",
@@ -118,12 +117,7 @@ def section(results: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "BENCHMARKS.md")
-    parser.add_argument("--results", type=Path,
-                        default=ROOT / "runs" / "bench" / "recompute.json")
-    parser.add_argument("--report_only", action="store_true",
-                        help="rebuild the section from the saved figures")
+    parser = section_parser(__doc__ or "", "recompute")
     args = parser.parse_args()
     results: dict[str, Any] | None = None
     if not args.report_only:

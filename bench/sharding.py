@@ -653,6 +653,19 @@ def _resume(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def section_parser(doc: str, name: str) -> argparse.ArgumentParser:
+    """The flags every benchmark that writes a docs section takes: where the section and
+    the raw figures (`runs/bench/<name>.json`) go, and `--report_only`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "BENCHMARKS.md",
+                        help="the report the section goes into")
+    parser.add_argument("--results", type=Path, default=ROOT / "runs" / "bench" /
+                        f"{name}.json", help=f"raw figures (default: runs/bench/{name}.json)")
+    parser.add_argument("--report_only", action="store_true",
+                        help="rebuild the section from the saved figures")
+    return parser
+
+
 def save_and_write(
     args: Any, fresh: dict[str, Any] | None, section: Callable[[dict[str, Any]], str],
     what: str, start: str = START_MARK, end: str = END_MARK,
@@ -684,18 +697,12 @@ def write_section(md: Path, text: str, start: str = START_MARK, end: str = END_M
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = section_parser(__doc__ or "", "sharding")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out_dir", type=Path, default=ROOT / "runs" / "bench-sharding",
                         help="run directories (default: runs/bench-sharding)")
-    parser.add_argument("--results", type=Path, default=ROOT / "runs" / "bench" /
-                        "sharding.json", help="raw figures (default: runs/bench/sharding.json)")
-    parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "BENCHMARKS.md",
-                        help="the report the section goes into")
     parser.add_argument("--max_wait_s", type=float, default=180.0,
                         help=f"wait at most this long for the load to drop below {MAX_LOAD}")
-    parser.add_argument("--report_only", action="store_true",
-                        help="rebuild the section from the saved figures")
     args = parser.parse_args()
     results = None
     if not args.report_only:

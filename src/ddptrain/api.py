@@ -150,13 +150,14 @@ def resolve_run(
         )
     if config.tp > 1 and model is None and config.tp_plan is None:
         from ddptrain.models.factory import model_name
-        from ddptrain.models.gpt import check_tensor_parallel
+        from ddptrain.models.gpt import DEFAULT_N_HEAD
         from ddptrain.models.hf import hf_dir, is_hf_ref
+        from ddptrain.parallel.tp import check_gpt_split
 
         name = model_name(config, data)
         if name == "gpt":  # its heads split over the tp ranks
             tokens = data.input_shape[0] if config.sequence_parallel else None
-            check_tensor_parallel(config.tp, tokens=tokens)
+            check_gpt_split(config.tp, DEFAULT_N_HEAD, tokens)
         elif is_hf_ref(name):
             from ddptrain.parallel.tp_hf import check_hf_dir
 

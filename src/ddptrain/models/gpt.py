@@ -17,8 +17,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddptrain.errors import ConfigError
-
 DEFAULT_N_LAYER = 2
 DEFAULT_N_HEAD = 4
 
@@ -157,23 +155,6 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
-
-
-def check_tensor_parallel(
-    tp: int, n_head: int = DEFAULT_N_HEAD, tokens: int | None = None
-) -> None:
-    """Refuse a tensor-parallel degree that does not divide the heads (each rank computes
-    `n_head / tp` of them), or under `--sequence_parallel` the `tokens` of a sequence."""
-    if n_head % tp:
-        raise ConfigError(
-            f"--tp {tp} does not divide the GPT's {n_head} attention heads: choose a tp "
-            "that does"
-        )
-    if tokens is not None and tokens % tp:
-        raise ConfigError(
-            f"--sequence_parallel splits the GPT's {tokens} tokens over --tp {tp} ranks: "
-            "choose a --block_size that tp divides, or drop the flag"
-        )
 
 
 def build_gpt(vocab_size: int, block_size: int, width: int) -> GPT:

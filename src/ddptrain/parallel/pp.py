@@ -103,11 +103,14 @@ class Pipeline(FSDP):
         if on_meta:
             self._fill(module, whole)
         group = mesh.get_group()
-        self._module, self._pp_group = module, group
+        self._pp_group = group
         # A tensor several stages hold (the tied embedding): shapes of this rank's shard,
-        # and whether another stage counts it in the norm.
+        # this rank's copies by their names in the whole model, and those another stage
+        # counts in the norm. Found once: the step only reads them.
         self.shared, owner = _shared_parameters(module, group, self._canonical)
-        self._not_owned = {n for n, r in owner.items() if r != rank}
+        named = {self._canonical.get(n, n): p for n, p in module.named_parameters()}
+        self._copies = {n: named.get(n) for n in self.shared}
+        self._not_counted = {id(named[n]) for n, r in owner.items() if r != rank and n in named}
         self.stages = [
             PipelineStage(view, s, stages, self.ctx.device, group=group)
             for view, s in zip(self.views, mine, strict=True)
@@ -204,7 +207,7 @@ class Pipeline(FSDP):
         out = self.schedule.eval(padded, target=rows if self.is_last else None)
         if not self.is_last:
             return None
-        return parse_output(out[: _length(inputs)])
+        return parse_output(out[: inputs.shape[0]])
 
     def _pad(self, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(inputs, torch.Tensor):
@@ -224,10 +227,9 @@ class Pipeline(FSDP):
         are summed between them, so its copies take the same step."""
         if not self.shared:
             return
-        mine = dict(self._named_parameters())
         flat = []
         for name, (shape, dtype) in self.shared.items():
-            p = mine.get(name)
+            p = self._copies[name]
             grad = local_tensor(p.grad) if p is not None and p.grad is not None else None
             flat.append(grad.reshape(-1) if grad is not None
                         else torch.zeros(shape, dtype=dtype, device=self.ctx.device).reshape(-1))
@@ -236,22 +238,15 @@ class Pipeline(FSDP):
         offset = 0
         for name, (shape, _) in self.shared.items():
             size = int(torch.Size(shape).numel())
-            p = mine.get(name)
+            p = self._copies[name]
             if p is not None and p.grad is not None:
                 local_tensor(p.grad).copy_(buf[offset:offset + size].view(shape))
             offset += size
 
-    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their names in the whole model."""
-        return [(self._canonical.get(n, n), p) for n, p in self._module.named_parameters()]
-
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The global norm: each stage's (over its data-parallel shards), summed over the
         stages; a parameter several stages hold counts once (on the first of them)."""
-        names = {id(p): n for n, p in self._named_parameters()}
-        counted = [p for p in params if p.grad is not None and names.get(id(p)) not in
-                   self._not_owned]
-        grads = [p.grad for p in counted if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in self._not_counted]
         if grads:
             norm = nn.utils.get_total_norm(grads)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -430,7 +425,3 @@ def _renamed(optim: State, names: dict[str, str]) -> State:
             for g in optim.get("param_groups", [])
         ],
     }
-
-
-def _length(inputs: torch.Tensor) -> int:
-    return int(inputs.shape[0])

@@ -142,17 +142,9 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool 
     tied head gathers them back."""
     tp, rank = mesh.size(), mesh.get_local_rank()
     heads = int(model.config.n_head)  # type: ignore[union-attr, arg-type]
-    if heads % tp:
-        raise ConfigError(
-            f"--tp {tp} does not divide the GPT's {heads} attention heads: choose a tp "
-            "that does"
-        )
     block_size = int(model.config.block_size)  # type: ignore[union-attr, arg-type]
-    if sequence_parallel and block_size % tp:  # a model handed over: `fit` checks the rest
-        raise ConfigError(
-            f"--sequence_parallel splits the GPT's {block_size} tokens over --tp {tp} "
-            "ranks: choose a --block_size that tp divides, or drop the flag"
-        )
+    # A model handed over: `fit` checks the data's own sequence length before the group.
+    check_gpt_split(tp, heads, block_size if sequence_parallel else None)
     group = mesh.get_group()
     per_rank = heads // tp
     tokens = Shard(1)  # (B, T, C): the sequence dimension
@@ -196,6 +188,22 @@ class _EvenTokens:
                 f"batch has {tokens} tokens: feed sequences whose length tp divides, or drop "
                 "the flag"
             )
+
+
+def check_gpt_split(tp: int, n_head: int, tokens: int | None = None) -> None:
+    """Refuse a tensor-parallel degree that does not divide the GPT's heads (each rank
+    computes `n_head / tp` of them), or under `--sequence_parallel` the `tokens` of a
+    sequence. Called before the process group too (`fit`)."""
+    if n_head % tp:
+        raise ConfigError(
+            f"--tp {tp} does not divide the GPT's {n_head} attention heads: choose a tp "
+            "that does"
+        )
+    if tokens is not None and tokens % tp:
+        raise ConfigError(
+            f"--sequence_parallel splits the GPT's {tokens} tokens over --tp {tp} ranks: "
+            "choose a --block_size that tp divides, or drop the flag"
+        )
 
 
 def _gpt_layout(module: nn.Module) -> bool:
