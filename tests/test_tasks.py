@@ -399,3 +399,27 @@ def test_lm_loss_is_the_mean_over_every_target_token_of_the_step(tmp_path: Path)
     for name, p in reference.named_parameters():
         want = start[name] - 0.5 * p.grad
         assert torch.allclose(got[name], want, atol=1e-6), name
+
+
+def test_the_bundled_sets_are_scikit_learns_without_importing_it() -> None:
+    """`breast_cancer`, `digits` and the `chars` corpus are read from the files scikit-learn
+    ships, bit for bit its loaders' arrays, and no rank pays for importing scikit-learn."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_breast_cancer, load_digits
+
+    from ddptrain.data.bundled import breast_cancer, digits
+
+    for (x, y), want in ((breast_cancer(), load_breast_cancer()), (digits(), load_digits())):
+        expected = want.images if x.ndim == 3 else want.data
+        assert x.dtype == expected.dtype and np.array_equal(x, expected)
+        assert y.dtype == want.target.dtype and np.array_equal(y, want.target)
+    script = ("import sys; from ddptrain.config import TrainingConfig; "
+              "from ddptrain.data.sources import load_data; "
+              "[load_data(TrainingConfig(dataset=d, output_dir='/tmp/unused').validate()) "
+              "for d in ('breast_cancer', 'digits', 'chars')]; "
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -101,18 +101,18 @@ def _num_classes(lo: int, hi: int, config: TrainingConfig) -> int:
 
 
 def _breast_cancer(config: TrainingConfig) -> DataBundle:
-    from sklearn.datasets import load_breast_cancer
+    from ddptrain.data.bundled import breast_cancer
 
-    data = load_breast_cancer()
-    return _bundle(data.data, data.target, config, standardize=True)
+    x, y = breast_cancer()
+    return _bundle(x, y, config, standardize=True)
 
 
 def _digits(config: TrainingConfig) -> DataBundle:
-    from sklearn.datasets import load_digits
+    from ddptrain.data.bundled import digits
 
-    data = load_digits()
-    x = (data.images[:, None, :, :] / 16.0 - 0.5) / 0.5  # 0..16 pixel values to [-1, 1]
-    return _bundle(x, data.target, config)
+    images, y = digits()
+    x = (images[:, None, :, :] / 16.0 - 0.5) / 0.5  # 0..16 pixel values to [-1, 1]
+    return _bundle(x, y, config)
 
 
 def _diabetes(config: TrainingConfig) -> DataBundle:

@@ -11,11 +11,12 @@ gives an input `x = window[:-1]` and a next-character target `y = window[1:]`.
 from __future__ import annotations
 
 import math
-from importlib import resources
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from ddptrain.data.bundled import bundled_dir
 
 CORPUS = "scikit-learn's bundled dataset descriptions (sklearn/datasets/descr/*.rst)"
 _DESCR_PACKAGE = "sklearn.datasets.descr"
@@ -50,13 +51,11 @@ class TokenWindows(Dataset):
 
 def load_char_corpus() -> str:
     """The corpus text: every `.rst` file in `sklearn/datasets/descr`, sorted, joined by a
-    blank line."""
-    descr = resources.files(_DESCR_PACKAGE)
+    blank line (read without importing scikit-learn: `data.bundled`)."""
+    descr = bundled_dir("descr")
     # Sorting fixes the order: directory listing order differs between file systems.
-    files = sorted(
-        (f for f in descr.iterdir() if f.name.endswith(".rst") and f.is_file()),
-        key=lambda f: f.name,
-    )
+    files = sorted(descr.glob("*.rst")) if descr is not None else []
+    files = [f for f in files if f.is_file()]
     if not files:
         raise FileNotFoundError(f"no .rst files found in {_DESCR_PACKAGE}; is scikit-learn intact?")
     return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
