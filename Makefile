@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-0.4
 
-.PHONY: setup demo test test-fast test-heavy lint typecheck clean
+.PHONY: setup demo test test-fast test-slow test-heavy lint typecheck clean
 
 setup: $(STAMP)
 
@@ -22,14 +22,20 @@ demo: $(STAMP)
 		--dataset breast_cancer --batch_size 8 --epochs 10 \
 		--output_dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
-test: $(STAMP) slurm-deps
-	$(PY) -m pytest -q
+# The suite in tiers by what a test costs (tests/conftest.py), each test in exactly one:
+# `make test` runs the fast tier, then the multi-process one; `make test-heavy` the
+# heaviest end-to-end runs. CI (.ci/run) runs lint, typecheck, test, test-heavy, in that order.
+test: test-fast test-slow
 
-# The pure-logic and single-process tier (about 2 minutes): what to run while editing.
+# Pure logic and single-process runs (about 2 minutes): what to run while editing.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-# The heaviest multi-process runs, left out of `make test` to keep it under 15 minutes.
+# Real process groups, torchrun, the CLI end to end (about 10 minutes).
+test-slow: $(STAMP) slurm-deps
+	$(PY) -m pytest -q -m "slow and not heavy"
+
+# The heaviest multi-process runs: kills and resumes, 4-rank layouts, Slurm, namespaces.
 test-heavy: $(STAMP) slurm-deps
 	$(PY) -m pytest -q -m heavy
 

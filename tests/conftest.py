@@ -1,17 +1,79 @@
-"""Shared fixtures: subprocess runners for the CLI and torchrun, and small datasets."""
+"""Shared fixtures: subprocess runners for the CLI and torchrun, and small datasets; the
+test tiers, and the guard that keeps several processes out of the fast one."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch.multiprocessing  # noqa: F401  (the spawn module, guarded below)
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+
+
+# ---------------------------------------------------------------- tiers
+# A test's tier is what it costs, and every test runs in exactly one stage of CI:
+#   fast  (no mark)  one process, pure logic or one in-process run: `make test-fast`
+#   slow             several processes (ranks, torchrun, daemons) or a CLI end to end
+#   heavy            the slowest of those (heavy implies slow): `make test-heavy`
+# `make test` runs the fast tier, then `-m "slow and not heavy"`.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("heavy") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
+_SLOW = {"now": True}  # whether the test being set up or run may start several processes
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Before the test's fixtures: a module-scoped fixture that spawns ranks is checked
+    # against the first test that asks for it.
+    _SLOW["now"] = item.get_closest_marker("slow") is not None
+
+
+def _several(what: str) -> None:
+    if not _SLOW["now"]:
+        pytest.fail(
+            f"{what} starts several processes in a test not marked slow: the fast tier is "
+            "single-process; mark the test @pytest.mark.slow", pytrace=False,
+        )
+
+
+_MULTI = {"torchrun", "srun", "sbatch", "slurmd", "slurmctld"}
+
+
+class _GuardedPopen(subprocess.Popen):  # type: ignore[type-arg]
+    def __init__(self, args: Any, *rest: Any, **kwargs: Any) -> None:
+        words = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        names = {Path(os.fsdecode(w)).name for w in words[:8]}
+        if names & _MULTI or any(str(w).startswith("--nproc_per_node") for w in words):
+            _several(" ".join(map(str, words[:3])))
+        super().__init__(args, *rest, **kwargs)
+
+
+subprocess.Popen = _GuardedPopen  # type: ignore[misc]
+_SPAWN = sys.modules["torch.multiprocessing.spawn"]  # mp.spawn calls its start_processes
+_start = _SPAWN.start_processes
+
+
+def _guarded_start(fn: Any, args: Any = (), nprocs: int = 1, *rest: Any, **kwargs: Any) -> Any:
+    if nprocs > 1:
+        _several("torch.multiprocessing.spawn")
+    return _start(fn, args, nprocs, *rest, **kwargs)
+
+
+_SPAWN.start_processes = _guarded_start
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -67,3 +129,29 @@ def write_npz(path: Path, n: int, features: int = 6, classes: int = 3, seed: int
 def npz400(tmp_path: Path) -> Path:
     """400 samples: 320 train (divisible by 2 ranks x 16 x 10) and 80 val."""
     return write_npz(tmp_path / "data.npz", 400)
+
+
+@pytest.fixture(scope="session")
+def plain_gpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
+    """`plain_gpt(**fields)`: plain training (one process, the whole global batch) of the
+    layout tests' GPT job with `fields`, trained once per configuration for the whole
+    session: every layout test that must equal it shares it."""
+    from nd_workers import GLOBAL_BATCH, GPT, fit_runs
+
+    done: dict[str, dict[str, Any]] = {}
+
+    def plain(**fields: Any) -> dict[str, Any]:
+        key = json.dumps(fields, sort_keys=True)
+        if key not in done:
+            out = tmp_path_factory.mktemp("plain") / "run"
+            job = {**GPT, "batch_size": GLOBAL_BATCH, "output_dir": str(out), **fields}
+            done[key] = fit_runs(0, [job])[0]
+        return done[key]
+
+    return plain
+
+
+@pytest.fixture
+def plain(plain_gpt: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """The plain run of the layout tests' GPT job that every layout must equal."""
+    return plain_gpt()

@@ -6,11 +6,24 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+from torch.distributed.tensor import DTensor
+
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.data.sources import load_data
 from ddptrain.launch.process_group import setup_distributed, teardown_distributed
 from ddptrain.train.trainer import Trainer
+
+# The layout tests' job (tests/test_parallel_nd.py, test_pipeline.py, test_tp_compose.py):
+# the built-in GPT on 530 training windows of 64 characters, a global batch of 128 (5
+# optimizer steps). The gradient norms are 2.2, 2.1, 1.7, 1.6, 1.8: the clip at 1.9 acts on
+# some steps only, so a wrong norm changes which, and a wrong gradient scale is not
+# clipped away.
+GPT = dict(
+    dataset="chars", block_size=64, width=64, epochs=1, optimizer="sgd", lr=0.5,
+    momentum=0.9, max_grad_norm=1.9, log_interval=1, seed=3,
+)
+GLOBAL_BATCH = 128
 
 
 def fit_runs(rank: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -27,7 +40,8 @@ def fit_runs(rank: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def fit_in_group(ctx: DistributedContext, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`fit_runs` in a process group already up."""
+    """`fit_runs` in a process group already up. Under tp, also the parameters this rank
+    holds whole (not split over the tp ranks), as it holds them: its peers' must match."""
     results = []
     for overrides in runs:  # checked in turn: a resume names an earlier run's checkpoint
         config = TrainingConfig(**overrides).validate()
@@ -39,7 +53,16 @@ def fit_in_group(ctx: DistributedContext, runs: list[dict[str, Any]]) -> list[di
             "summary": summary,
             "bytes": trainer.strategy.rank_bytes(trainer.module, trainer.optimizer),
             "resumed_from": trainer.resumed_from,
+            "held_whole": _held_whole(trainer.module) if config.tp > 1 else {},
         })
         del trainer, weights
         gc.collect()
     return results
+
+
+def _held_whole(module: Any) -> dict[str, Any]:
+    # FSDP over this rank alone wraps every parameter; the tp-split ones name "tp" in their mesh.
+    return {
+        name: p.to_local().detach().clone() for name, p in module.named_parameters()
+        if isinstance(p, DTensor) and "tp" not in (p.device_mesh.mesh_dim_names or ())
+    }

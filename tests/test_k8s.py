@@ -144,6 +144,39 @@ def test_launch_sh_reads_kubeflows_pet_variables(env: dict[str, str], needle: st
     assert res.stderr.startswith("launch.sh: error:"), res.stderr
 
 
+def logging_python(tmp: Path, then: str | None = None) -> Path:
+    """An interpreter for launch.sh's PYTHON that writes its arguments (torchrun's, as
+    launch.sh gives them) one a line into `<tmp>/argv-<pid>`, then runs `then` with them
+    (nothing when None)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    script = tmp / "python"
+    run = f'exec "{then}" "$@"' if then else "exit 0"
+    script.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{tmp}/argv-$$"\n{run}\n')
+    script.chmod(0o755)
+    return script
+
+
+def torchrun_argv(tmp: Path) -> list[list[str]]:
+    return [f.read_text().splitlines() for f in sorted(tmp.glob("argv-*"))]
+
+
+@pytest.mark.parametrize(("env", "endpoint"), [
+    ({"PET_MASTER_PORT": "23456"}, "10.0.0.1:23456"),  # the operator's Service port
+    ({}, "10.0.0.1:29500"),  # torchrun's default when the operator gives none
+    ({"PET_MASTER_PORT": "23456", "MASTER_PORT": "24000"}, "10.0.0.1:24000"),  # set wins
+])
+def test_launch_sh_gives_torchrun_the_operators_rendezvous_port(
+    env: dict[str, str], endpoint: str, tmp_path: Path
+) -> None:
+    pet = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "1",
+           "PET_MASTER_ADDR": "10.0.0.1", **env}
+    res = _launch({**pet, "PYTHON": str(logging_python(tmp_path))}, tmp_path)
+    assert res.returncode == 0, res.stderr
+    [argv] = torchrun_argv(tmp_path)
+    assert argv[:2] == ["-m", "torch.distributed.run"], argv
+    assert f"--rdzv_endpoint={endpoint}" in argv and "--nnodes=2" in argv, argv
+
+
 @pytest.mark.parametrize(
     ("args", "env", "conf"),
     [
@@ -213,7 +246,8 @@ def start_pods(pair: TwoHosts, mode: str, args: list[str], tmp: Path, tag: str
         else:
             injected = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1",
                         "PET_NODE_RANK": str(index), "PET_MASTER_ADDR": master,
-                        "PET_MASTER_PORT": "23456", "PYTHON": sys.executable,
+                        "PET_MASTER_PORT": "23456",
+                        "PYTHON": str(logging_python(tmp / f"{tag}-pod{index}", sys.executable)),
                         "LOCAL_ADDR": host.addr}
             cmd = ["bash", str(LAUNCH), *args]
         with (tmp / f"{tag}-pod{index}.log").open("w") as log:
@@ -257,6 +291,11 @@ def test_two_pods_train_one_job_like_torchrun_on_one_host(
     args = [*TRAIN, "--model_args", f"pace={tmp_path / 'no-pace'}", "--output_dir", str(run)]
     codes = wait_all(start_pods(pods, mode, args, tmp_path, mode), tmp_path, mode)
     assert codes == [0, 0], logs(tmp_path, mode)
+    if mode == "pet":  # each pod's torchrun met at the operator's Service port, no other
+        master = pods.hosts[0].addr
+        for index in range(2):
+            [argv] = torchrun_argv(tmp_path / f"pet-pod{index}")
+            assert f"--rdzv_endpoint={master}:23456" in argv, argv
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
     assert_bitwise(run, reference)
 

@@ -12,21 +12,12 @@ import pytest
 import torch
 from conftest import run_cli
 from dist_utils import run_ranks
-from nd_workers import fit_runs
+from nd_workers import GLOBAL_BATCH, GPT, fit_runs
 
 from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError
 from ddptrain.parallel import resolve_strategy
 from ddptrain.parallel.mesh import MeshLayout, plan_mesh
-
-# 530 training windows of 64 characters; a global batch of 128: 5 optimizer steps. The
-# gradient norms are 2.2, 2.1, 1.7, 1.6, 1.8: the clip at 1.9 acts on some steps only, so
-# a wrong norm changes which, and a wrong gradient scale is not clipped away.
-GPT = dict(
-    dataset="chars", block_size=64, width=64, epochs=1, optimizer="sgd", lr=0.5,
-    momentum=0.9, max_grad_norm=1.9, log_interval=1, seed=3,
-)
-GLOBAL_BATCH = 128
 
 
 def _config(**fields: Any) -> TrainingConfig:
@@ -94,12 +85,6 @@ def _reference(tmp_path: Path, name: str, **fields: Any) -> dict[str, Any]:
     """One process, the whole global batch: plain training."""
     runs = [{**GPT, "batch_size": GLOBAL_BATCH, "output_dir": str(tmp_path / name), **fields}]
     return fit_runs(0, runs)[0]
-
-
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The plain run every layout must equal, trained once for the module."""
-    return _reference(tmp_path_factory.mktemp("plain"), "ddp")
 
 
 def _assert_same_weights(got: dict[str, Any], ref: dict[str, Any], atol: float = 1e-5) -> None:

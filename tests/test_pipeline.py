@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from conftest import run_cli, run_torchrun
 from dist_utils import run_ranks
 from metaplug import held_bytes
-from nd_workers import fit_runs
+from nd_workers import GLOBAL_BATCH, GPT, fit_runs
 from procs import (  # noqa: F401  (reap: an autouse fixture)
     assert_bitwise,
     assert_same_log,
@@ -27,7 +28,7 @@ from procs import (  # noqa: F401  (reap: an autouse fixture)
     weights,
     worker_pids,
 )
-from test_parallel_nd import GLOBAL_BATCH, GPT, _assert_same_weights, _reference
+from test_parallel_nd import _assert_same_weights, _reference
 from test_tp_compose import watched_ranks
 
 from ddptrain.config import TrainingConfig
@@ -87,15 +88,10 @@ def test_a_model_ddptrain_cannot_split_is_one_line_before_the_group(
     assert not (tmp_path / "run").exists()
 
 
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _reference(tmp_path_factory.mktemp("plain"), "ddp")
-
-
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_pp2_equals_plain_under_every_schedule_and_resumes(
-    tmp_path: Path, plain: dict[str, Any]
+    tmp_path: Path, plain: dict[str, Any], plain_gpt: Callable[..., dict[str, Any]]
 ) -> None:
     """--pp 2 on 2 ranks, each the whole batch of 128: 1F1B (2 micro-batches), GPipe with
     2 accumulation steps of 64, interleaved 1F1B (4 stages, 4 micro-batches); the epoch's
@@ -128,7 +124,7 @@ def test_pp2_equals_plain_under_every_schedule_and_resumes(
     _assert_same_weights(user, fit_runs(0, [{**mlp, "output_dir": str(tmp_path / "m1")}])[0])
     # bf16 rounds differently when the batch is cut into micro-batches: as close to plain
     # bf16 training as that is to fp32 (2e-3), and not fp32 (the autocast is on).
-    ref16 = fit_runs(0, [{**bf16, "output_dir": str(tmp_path / "b1")}])[0]
+    ref16 = plain_gpt(amp_dtype="bfloat16")
     for name, value in ref16["weights"].items():
         torch.testing.assert_close(low["weights"][name], value, atol=3e-3, rtol=0, msg=name)
     off = max(float((low["weights"][k] - v).abs().max()) for k, v in plain["weights"].items())

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 from conftest import run_cli
 from dist_utils import run_ranks
 from metaplug import _Watch, held_bytes
-from nd_workers import fit_in_group, fit_runs
+from nd_workers import GLOBAL_BATCH, GPT, fit_in_group, fit_runs
 from torch import nn
 
 from ddptrain.config import TrainingConfig
@@ -30,14 +31,6 @@ from ddptrain.data.sources import load_data
 from ddptrain.launch.process_group import setup_distributed, teardown_distributed
 from ddptrain.models.gpt import build_gpt
 from ddptrain.train.trainer import Trainer
-
-# As tests/test_parallel_nd.py: the built-in GPT on 530 windows of 64 characters, a global
-# batch of 128 (5 steps), SGD with momentum and a clip at 1.9 that acts on some steps only.
-GPT = dict(
-    dataset="chars", block_size=64, width=64, epochs=1, optimizer="sgd", lr=0.5,
-    momentum=0.9, max_grad_norm=1.9, log_interval=1, seed=3,
-)
-GLOBAL_BATCH = 128
 
 
 def _max_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
@@ -77,14 +70,10 @@ def watched_ranks(rank: int, watched: dict[str, Any], runs: list[dict[str, Any]]
     return result
 
 
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+@pytest.fixture
+def plain(plain_gpt: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
     """Plain training on one process, the whole global batch: fp32, then bf16."""
-    tmp = tmp_path_factory.mktemp("plain")
-    return fit_runs(0, [
-        {**PLAIN, "output_dir": str(tmp / "plain")},
-        {**PLAIN, **BF16, "output_dir": str(tmp / "plain_bf16")},
-    ])
+    return [plain_gpt(), plain_gpt(**BF16)]
 
 
 @pytest.mark.slow

@@ -61,13 +61,6 @@ class EMA:
             with torch.no_grad():
                 torch._foreach_copy_(params, kept)
 
-    @torch.no_grad()
-    def reset(self) -> None:
-        """Start the averages from the weights as they are (a resume from a checkpoint
-        written without them)."""
-        params, shadow = self._locals()
-        torch._foreach_copy_(shadow, params)
-
     def state(self) -> dict[str, torch.Tensor]:
         """The averages by parameter name, as held (DTensor shards under fsdp): what a
         checkpoint saves, and what a DCP load fills in place."""
@@ -75,13 +68,15 @@ class EMA:
 
     @torch.no_grad()
     def load_full(self, state: dict[str, torch.Tensor]) -> list[str]:
-        """Take whole averages (a `.pt` checkpoint's); each rank keeps its shard. Returns
-        the names the state lacks (those keep the current weights)."""
+        """Take whole averages (a `.pt` checkpoint's); each rank keeps its shard. The
+        averages `state` lacks start from the weights as they are now (the resumed ones:
+        call it after the weights are loaded); returns their names."""
         missing = []
-        for name, shadow in zip(self.names, self.shadow, strict=True):
+        for name, shadow, param in zip(self.names, self.shadow, self.params, strict=True):
             full = state.get(name)
             if full is None:
                 missing.append(name)
+                local_tensor(shadow).copy_(local_tensor(param))
                 continue
             if isinstance(shadow, DTensor):
                 # Every rank holds the whole tensor: each takes its slice, no communication.
@@ -91,4 +86,3 @@ class EMA:
                 )
             local_tensor(shadow).copy_(local_tensor(full))
         return missing
-

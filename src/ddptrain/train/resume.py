@@ -65,17 +65,14 @@ def restore(trainer: Trainer) -> str | None:
 
 
 def _restore_ema(ema: EMA, payload: dict[str, Any], path: str) -> None:
-    """The EMA weights of a `.pt` checkpoint (whole: each rank keeps its shard); a
-    checkpoint written without them starts the average from the weights it holds."""
-    saved = payload.get(EMA_FILE_KEY)
-    missing = ema.load_full(saved) if saved is not None else ema.names
+    """The EMA weights of a `.pt` checkpoint (whole: each rank keeps its shard), after the
+    weights: an average the checkpoint lacks starts from the resumed weights."""
+    missing = ema.load_full(payload.get(EMA_FILE_KEY) or {})
     if missing:
         log.warning(
             "%s holds no EMA weights for %d parameter(s): their average starts from the "
             "resumed weights", path, len(missing),
         )
-        if saved is None:
-            ema.reset()
 
 
 def _restore_position(trainer: Trainer, payload: dict[str, Any]) -> None:
