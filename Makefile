@@ -11,10 +11,14 @@ STAMP  := $(VENV)/.installed-0.4
 
 setup: $(STAMP)
 
+# --no-compile: Python compiles a module when it is first imported; most of what the
+# dev extras bring (Ray, MLflow, transformers) is never imported, and compiling all of it
+# would take a minute of the set-up.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 numpy
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,viz]' torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile torch==2.13.0 numpy
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.[dev,viz]' \
+		torch==2.13.0
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,10 +28,11 @@ demo: $(STAMP)
 
 # The suite in tiers by what a test costs (tests/conftest.py), each test in exactly one:
 # `make test` runs the fast tier, then the multi-process one; `make test-heavy` the
-# heaviest end-to-end runs. CI (.ci/run) runs lint, typecheck, test, test-heavy, in that order.
+# heaviest end-to-end runs. CI (.ci/run) runs lint, the fast tier beside typecheck, the
+# slow tier, then the heavy one: docs/TESTING.md.
 test: test-fast test-slow
 
-# Pure logic and single-process runs (about 2 minutes): what to run while editing.
+# Pure logic and single-process runs (about 3 minutes): what to run while editing.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 

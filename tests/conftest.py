@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch.multiprocessing  # noqa: F401  (the spawn module, guarded below)
+import torch.multiprocessing
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -73,7 +73,7 @@ def _guarded_start(fn: Any, args: Any = (), nprocs: int = 1, *rest: Any, **kwarg
     return _start(fn, args, nprocs, *rest, **kwargs)
 
 
-_SPAWN.start_processes = _guarded_start
+_SPAWN.start_processes = torch.multiprocessing.start_processes = _guarded_start
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
