@@ -11,14 +11,12 @@ STAMP  := $(VENV)/.installed-0.4
 
 setup: $(STAMP)
 
-# --no-compile: Python compiles a module when it is first imported; most of what the
-# dev extras bring (Ray, MLflow, transformers) is never imported, and compiling all of it
-# would take a minute of the set-up.
+# pip compiles every module at install: where PYTHONDONTWRITEBYTECODE is set (as on CI),
+# nothing compiled later is kept, and each process would compile torch again.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile torch==2.13.0 numpy
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.[dev,viz]' \
-		torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 numpy
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,viz]' torch==2.13.0
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -28,8 +26,8 @@ demo: $(STAMP)
 
 # The suite in tiers by what a test costs (tests/conftest.py), each test in exactly one:
 # `make test` runs the fast tier, then the multi-process one; `make test-heavy` the
-# heaviest end-to-end runs. CI (.ci/run) runs lint, the fast tier beside typecheck, the
-# slow tier, then the heavy one: docs/TESTING.md.
+# heaviest end-to-end runs. CI (.ci/run) runs lint, typecheck, the fast tier, the slow
+# tier, then the heavy one: docs/TESTING.md.
 test: test-fast test-slow
 
 # Pure logic and single-process runs (about 3 minutes): what to run while editing.

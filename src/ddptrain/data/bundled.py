@@ -24,11 +24,15 @@ def bundled_dir(part: str) -> Path | None:
     return next((p for p in found if p.is_dir()), None)
 
 
+def _data_file(name: str) -> Path | None:
+    data = bundled_dir("data")
+    return data / name if data is not None and (data / name).is_file() else None
+
+
 def breast_cancer() -> tuple[np.ndarray, np.ndarray]:
     """569 tumours, 30 float64 features, integer targets (0 malignant, 1 benign)."""
-    data = bundled_dir("data")
-    path = data / "breast_cancer.csv" if data is not None else None
-    if path is None or not path.is_file():
+    path = _data_file("breast_cancer.csv")
+    if path is None:
         from sklearn.datasets import load_breast_cancer
 
         bunch = load_breast_cancer()
@@ -46,9 +50,8 @@ def breast_cancer() -> tuple[np.ndarray, np.ndarray]:
 
 def digits() -> tuple[np.ndarray, np.ndarray]:
     """1,797 8x8 images of digits, pixel values 0..16 (float64), integer targets."""
-    data = bundled_dir("data")
-    path = data / "digits.csv.gz" if data is not None else None
-    if path is None or not path.is_file():
+    path = _data_file("digits.csv.gz")
+    if path is None:
         from sklearn.datasets import load_digits
 
         bunch = load_digits()
