@@ -2,7 +2,7 @@
 read from the files scikit-learn ships without importing scikit-learn: its import (with
 SciPy's) costs each rank 2-3 CPU-seconds, more than torch's, and every rank of a run reads
 its data. The arrays are those of `sklearn.datasets.load_breast_cancer()` and
-`load_digits()`, bit for bit (tests/test_userdata.py compares them); where the files are
+`load_digits()`, bit for bit (tests/test_tasks.py compares them); where the files are
 not where this module looks, scikit-learn's own loaders are used.
 """
 
