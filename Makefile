@@ -36,11 +36,11 @@ test-fast: $(STAMP)
 
 # Real process groups, torchrun, the CLI end to end (about 10 minutes).
 test-slow: $(STAMP) slurm-deps
-	$(PY) -m pytest -q -m "slow and not heavy"
+	$(PY) -m pytest -q -m "slow and not heavy" --durations=15
 
 # The heaviest multi-process runs: kills and resumes, 4-rank layouts, Slurm, namespaces.
 test-heavy: $(STAMP) slurm-deps
-	$(PY) -m pytest -q -m heavy
+	$(PY) -m pytest -q -m heavy --durations=25
 
 # Slurm and munge for the Slurm tests (tests/test_slurm.py), iptables for the network
 # partitions of tests/test_multinode.py: installed only when missing, and only by root with

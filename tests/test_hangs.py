@@ -7,6 +7,7 @@ the sample, 71 for the worker); its peer exits with 3 (lost contact)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -19,7 +20,8 @@ from conftest import BIN, child_env, run_cli
 from dist_utils import free_port
 from procs import popen, reap  # noqa: F401  (reap: an autouse fixture)
 
-from ddptrain.cli import main
+from ddptrain.cli import _data_worker, main
+from ddptrain.data.loader import raise_lost_worker, read
 from ddptrain.errors import (
     EXIT_INTERRUPTED,
     EXIT_PEER_LOST,
@@ -131,6 +133,38 @@ def test_a_killed_worker_ends_every_process(tmp_path: Path, how: str) -> None:
     os.kill(victim, signal.SIGKILL)
     errs = _all_gone(procs, time.monotonic())
     _check(how, procs, errs, f"DataLoader worker (pid {victim}) ", EXIT_WORKER_LOST)
+
+
+class _Handover:
+    """A DataLoader iterator whose worker was SIGKILLed while it served a batch's storage:
+    the read fails on the broken socket before the worker is seen dead."""
+
+    def __init__(self, worker: multiprocessing.process.BaseProcess) -> None:
+        self._workers = [worker]
+
+    def __iter__(self) -> _Handover:
+        return self
+
+    def __next__(self) -> None:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def test_a_worker_killed_mid_handover_is_told_as_its_death() -> None:
+    worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    worker.start()
+    try:
+        raise_lost_worker([worker], ConnectionResetError(), wait=0.1)  # alive: no verdict
+        os.kill(worker.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        with pytest.raises(RuntimeError) as raised:
+            next(read(_Handover(worker)))  # type: ignore[arg-type]
+    finally:
+        worker.kill()
+        worker.join()
+    assert _data_worker(raised.value) == (
+        f"DataLoader worker (pid {worker.pid}) was killed by signal Killed: the out-of-memory "
+        "killer or a kill; lower --num_workers or the memory each worker holds (dmesg tells "
+        "an OOM kill), then resume with --resume_from auto", EXIT_WORKER_LOST,
+    )
 
 
 def test_a_sample_that_raises_without_workers_is_one_line(

@@ -22,7 +22,7 @@ from ddptrain.context import DistributedContext
 from ddptrain.data.batch import num_samples, split
 from ddptrain.data.epoch import Micro, steps_per_epoch
 from ddptrain.data.hf import is_hf_iterable
-from ddptrain.data.loader import make_loader
+from ddptrain.data.loader import make_loader, read
 from ddptrain.errors import ConfigError
 
 log = logging.getLogger("ddptrain")
@@ -167,7 +167,7 @@ class IterableBatches:
         if not self._resumed:
             start = 0
         self._resumed = False
-        it = iter(self.loader)
+        it = read(self.loader)
         batch, ok, waited, state = self._pull(it)
         i = start
         while ok:

@@ -1,12 +1,15 @@
 """The DataLoader every path uses: seeded per rank, workers that leave signals to the main
 process, pinned memory on a GPU, pre-batched datasets passed through, and a sample that
-fails to load named by its index (`SampleError`), in a worker or in the main process.
+fails to load named by its index (`SampleError`), in a worker or in the main process, and a
+worker that dies named by its pid however its death reaches the main process (`read`).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping
+import signal
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -29,8 +32,6 @@ def seed_worker(worker_id: int) -> None:
     # torch seeds each worker from the loader's generator; python and numpy follow it
     # so that augmentations in user datasets differ across workers and ranks. Workers
     # leave SIGINT/SIGTERM to the main process, which decides when to stop.
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     seed = torch.initial_seed() % 2**32
@@ -202,14 +203,46 @@ def make_loader(
     )
 
 
+def read(loader: DataLoader) -> Iterator[Any]:
+    """The batches of `loader`. A worker killed while it hands a batch over (the batch's
+    storage travels through a socket the worker serves) can fail the read with a broken
+    connection before the worker is seen dead; that is then told as the worker's death,
+    with its pid, as torch tells one it sees in time."""
+    it = iter(loader)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except (ConnectionError, EOFError) as exc:
+            raise_lost_worker(getattr(it, "_workers", []), exc)
+            raise
+        yield batch
+
+
+def raise_lost_worker(workers: list[Any], cause: BaseException, wait: float = 5.0) -> None:
+    """Raise torch's worker-death error for the first of `workers` found dead within
+    `wait` seconds (a SIGKILLed process closes its sockets a moment before it can be
+    reaped); return if every one stays alive."""
+    deadline = time.monotonic() + wait
+    while not (dead := [w for w in workers if not w.is_alive()]):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
+    code = dead[0].exitcode
+    how = (
+        f"is killed by signal: {signal.strsignal(-code)}"
+        if code is not None and code < 0 else "exited unexpectedly"
+    )
+    raise RuntimeError(f"DataLoader worker (pid {dead[0].pid}) {how}") from cause
+
+
 def stop_workers(*loaders: Any) -> None:
     """Shut down the persistent workers of these DataLoaders. A run that ends on an error
     may leave their iterator to the cyclic collector, and the workers, which leave SIGTERM
     to the main process, would keep the interpreter's exit waiting for them. The run has
     failed already: torch's SIGCHLD handler, which raises in the main thread wherever it
     is when a worker ends (in a logging lock, printed as a traceback), is not wanted."""
-    import signal
-
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for loader in loaders:
         it = getattr(loader, "_iterator", None)
@@ -224,7 +257,6 @@ def end_worker_processes() -> None:
     a timeout: a worker left running (an iterator not shut down, a worker stuck in the
     user's `__getitem__`) would keep the rank alive for good, its peers waiting on it."""
     import multiprocessing
-    import signal
 
     children = multiprocessing.active_children()
     if not children:

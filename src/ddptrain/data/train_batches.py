@@ -21,7 +21,7 @@ from ddptrain.data.arrays import ArrayDataset, as_sliceable
 from ddptrain.data.batch import pin_batch
 from ddptrain.data.epoch import Micro, epoch_order, plan_epoch, steps_per_epoch
 from ddptrain.data.iterable import IterableBatches
-from ddptrain.data.loader import make_loader
+from ddptrain.data.loader import make_loader, read
 from ddptrain.errors import ConfigError
 
 
@@ -118,7 +118,7 @@ class TrainBatches:
             return
         assert self.loader is not None  # not in-process: a DataLoader was built
         self.sampler.batches = [order[m.lo : m.hi].tolist() for m in plan]
-        yield from self.loader
+        yield from read(self.loader)
 
 
 def make_train_batches(

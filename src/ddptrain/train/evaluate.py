@@ -19,6 +19,7 @@ from torch import nn
 
 from ddptrain.context import DistributedContext
 from ddptrain.data import ModelCall, split, to_device
+from ddptrain.data.loader import read
 from ddptrain.parallel import Strategy
 from ddptrain.train.metrics import MetricSums
 from ddptrain.train.precision import Precision
@@ -70,9 +71,9 @@ class Evaluator:
         """This rank's validation batches; under a strategy whose forward is collective,
         then None until every rank has run out (one flag all-reduced per batch)."""
         if not self.strategy.even_forwards:
-            yield from self.loader
+            yield from read(self.loader)
             return
-        batches = iter(self.loader)
+        batches = read(self.loader)
         while True:
             batch = next(batches, None)
             more = torch.tensor([float(batch is not None)], device=self.ctx.device)

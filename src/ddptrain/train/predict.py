@@ -36,6 +36,7 @@ from torch.utils.data import Dataset
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext, gather_to_main
 from ddptrain.data import ModelCall, make_val_loader, split, to_device
+from ddptrain.data.loader import read
 from ddptrain.errors import ConfigError
 from ddptrain.files import fsync_dir, temp_name
 from ddptrain.train.precision import Precision
@@ -64,7 +65,7 @@ def predict_set(
     n = len(dataset)  # type: ignore[arg-type]
     if n == 0:
         raise ConfigError(f"--dataset {config.dataset!r} holds no samples to predict")
-    loader = iter(make_val_loader(dataset, config, ctx, collate))
+    loader = read(make_val_loader(dataset, config, ctx, collate))
     memory_format = torch.channels_last if config.channels_last else None
     call = ModelCall(module)
     module.eval()
