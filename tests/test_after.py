@@ -8,6 +8,9 @@ public API on real gloo ranks (`run_ranks`) and the CLI under torchrun.
 from __future__ import annotations
 
 import json
+import os
+import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +24,13 @@ from safetensors.torch import load_file
 
 import ddptrain
 from ddptrain.cli import main
+from ddptrain.errors import ConfigError
+from ddptrain.files import publish
 from ddptrain.train.predict import interleave
 
-CLS = ["--dataset", "afterplug:pair", "--model", "afterplug:net", "--batch_size", "16",
-       "--epochs", "2", "--lr", "0.1", "--no-tensorboard"]
+# The run's code, named again: a stored `module:fn` is not imported unless the command does.
+CODE = ["--dataset", "afterplug:pair", "--model", "afterplug:net"]
+CLS = [*CODE, "--batch_size", "16", "--epochs", "2", "--lr", "0.1", "--no-tensorboard"]
 LM = ["--dataset", "chars", "--block_size", "16", "--width", "16", "--batch_size", "128",
       "--val_fraction", "0.1", "--optimizer", "adamw", "--lr", "0.01", "--epochs", "1",
       "--no-tensorboard"]
@@ -77,16 +83,17 @@ def read_rows(path: Path) -> torch.Tensor:
 
 def test_evaluate_equals_the_runs_last_validation_row(cls_run: Path, tmp_path: Path) -> None:
     row = last_val_row(cls_run)
-    assert_same_figures(ddptrain.evaluate(cls_run), row)  # model.safetensors
+    assert_same_figures(ddptrain.evaluate(cls_run, argv=CODE), row)  # model.safetensors
     latest = cls_run / "checkpoints" / "latest.pt"
-    assert_same_figures(ddptrain.evaluate(latest), row)  # the .pt carries its config
+    # the .pt carries its config
+    assert_same_figures(ddptrain.evaluate(latest, trust_checkpoint_code=True), row)
     out = tmp_path / "metrics.json"
-    assert main(["evaluate", str(cls_run), "--batch_size", "7", "--output", str(out)]) == 0
+    assert main(["evaluate", str(cls_run), *CODE, "--batch_size", "7", "--output", str(out)]) == 0
     written = json.loads(out.read_text())
     assert written["split"] == "val" and written["source"].endswith("model.safetensors")
     assert_same_figures(written, row)
     # another set: the train half, which the run's last row does not describe
-    train = ddptrain.evaluate(cls_run, split="train")
+    train = ddptrain.evaluate(cls_run, split="train", argv=CODE)
     assert train["samples"] == 64 and train["loss"] != row["loss"]
 
 
@@ -94,13 +101,14 @@ def test_predict_writes_one_row_per_sample_in_order(cls_run: Path, tmp_path: Pat
     expected = by_hand(cls_run)
     for suffix in (".npy", ".pt", ".jsonl"):
         out = tmp_path / f"p{suffix}"
-        assert ddptrain.predict(cls_run, out, batch_size=16) == 101
+        assert ddptrain.predict(cls_run, out, argv=CODE, batch_size=16) == 101
         got = read_rows(out)
         assert got.shape == (101, 2)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl", "p.npy", "p.pt"]
     train = tmp_path / "train.npy"
-    assert main(["predict", str(cls_run), "--split", "train", "--output", str(train)]) == 0
+    assert main(["predict", str(cls_run), "--trust_checkpoint_code", "--split", "train",
+                 "--output", str(train)]) == 0
     assert np.load(train).shape == (64, 2)
 
 
@@ -127,7 +135,8 @@ def test_predict_writes_as_it_goes(cls_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "p.jsonl"
     watching = _Watching(out)
     train = torch.utils.data.TensorDataset(*(t[:64] for t in samples()))
-    assert ddptrain.predict(cls_run, out, datasets=(train, watching), batch_size=16) == 101
+    assert ddptrain.predict(cls_run, out, datasets=(train, watching), batch_size=16,
+                            argv=["--model", "afterplug:net"]) == 101
     assert watching.rows_before_last == 96  # 6 rounds of 16 written; the 7th being read
     torch.testing.assert_close(read_rows(out), by_hand(cls_run), rtol=0, atol=1e-6)
 
@@ -163,8 +172,8 @@ def test_bad_inputs_are_one_line_and_exit_2(
     run.mkdir()
     (run / "config.yaml").write_bytes((cls_run / "config.yaml").read_bytes())
     (run / "model.safetensors").write_bytes((cls_run / "model.safetensors").read_bytes()[:20])
-    _one_line_exit_2(["evaluate", str(run)], capsys, "damaged")
-    _one_line_exit_2(["evaluate", str(cls_run), "--width", "0"], capsys, "--width 0")
+    _one_line_exit_2(["evaluate", str(run), *CODE], capsys, "damaged")
+    _one_line_exit_2(["evaluate", str(cls_run), *CODE, "--width", "0"], capsys, "--width 0")
     assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
 
 
@@ -175,12 +184,123 @@ def test_a_dcp_step_directory_evaluates_and_a_damaged_one_is_refused(
     train([*CLS, "--epochs", "1", "--checkpoint_format", "dcp", "--output_dir", str(run)])
     (step,) = (run / "checkpoints").glob("step_*")
     assert step.is_dir()
-    assert_same_figures(ddptrain.evaluate(step), last_val_row(run))
+    assert_same_figures(ddptrain.evaluate(step, argv=CODE), last_val_row(run))
     shard = next(step.glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    _one_line_exit_2(["evaluate", str(step)], capsys, "damaged")
+    _one_line_exit_2(["evaluate", str(step), *CODE], capsys, "damaged")
+
+
+PLANTED = """
+from pathlib import Path
+
+import afterplug
+
+Path(__file__).with_name("imported").touch()
+
+
+def build(config, outputs=2):
+    Path(__file__).with_name("called").touch()
+    return afterplug.net(config, outputs)
+"""
+
+
+def test_code_a_checkpoint_names_runs_only_when_the_command_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A downloaded checkpoint trained with `--model planted:build`, shipped with its
+    `planted.py`, evaluated from its folder (where `python -m` imports from)."""
+    folder = tmp_path / "downloaded"
+    folder.mkdir()
+    (folder / "planted.py").write_text(PLANTED)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.chdir(folder)
+    train(["--dataset", "afterplug:pair", "--model", "planted:build", "--epochs", "1",
+           "--no-tensorboard", "--output_dir", str(folder / "run")])
+    ran = [folder / "imported", folder / "called"]
+    for sources in (["run"], ["run/checkpoints/latest.pt"]):
+        for mark in ran:
+            mark.unlink(missing_ok=True)
+        monkeypatch.delitem(sys.modules, "planted", raising=False)
+        for command in ("evaluate", "predict"):
+            _one_line_exit_2(
+                [command, *sources, "--dataset", "afterplug:pair", "--output", "p.npy"], capsys,
+                "names code to import and run (--model planted:build); ddptrain runs only "
+                "code your command names: give --model planted:build again if you trust it, "
+                "or add --trust_checkpoint_code",
+            )
+        assert not any(mark.exists() for mark in ran) and not Path("p.npy").exists()
+    # Named again on the command line, in the user's --config file, or trusted: it runs.
+    (folder / "mine.yaml").write_text("model: planted:build\n")
+    for named in (["--model", "planted:build"], ["--config", "mine.yaml"],
+                  ["--trust_checkpoint_code"]):
+        for mark in ran:
+            mark.unlink(missing_ok=True)
+        monkeypatch.delitem(sys.modules, "planted", raising=False)
+        assert main(["evaluate", "run", "--dataset", "afterplug:pair", *named]) == 0
+        assert all(mark.exists() for mark in ran), named
+
+
+def test_outputs_replace_no_file_unasked_and_stay_out_of_a_live_run(
+    cls_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddptrain.launch.rundir import RunLock
+
+    for command, name in (("predict", "p.npy"), ("evaluate", "m.json")):
+        out = tmp_path / name
+        out.write_bytes(b"the user's own file\n")
+        _one_line_exit_2([command, str(cls_run), *CODE, "--output", str(out)], capsys,
+                         f"--output {str(out)!r} exists: give another name, or add --overwrite")
+        assert out.read_bytes() == b"the user's own file\n"
+        assert main([command, str(cls_run), *CODE, "--output", str(out), "--overwrite"]) == 0
+        assert out.read_bytes() != b"the user's own file\n"
+    fifo = tmp_path / "fifo.npy"
+    os.mkfifo(fifo)
+    _one_line_exit_2(["predict", str(cls_run), *CODE, "--output", str(fifo), "--overwrite"],
+                     capsys, "is not a regular file")
+    # a run directory a live job holds: not even a new file goes in
+    live = tmp_path / "live"
+    lock = RunLock(live)
+    lock.acquire()
+    try:
+        _one_line_exit_2(["predict", str(cls_run), *CODE, "--output", str(live / "p.npy")],
+                         capsys, f"is inside the run directory {str(live)!r}, which a live run "
+                         f"holds (host {socket.gethostname()} pid {os.getpid()})")
+    finally:
+        lock.release()
+    assert main(["predict", str(cls_run), *CODE, "--output", str(live / "p.npy")]) == 0
+
+
+def test_a_file_that_appears_while_the_output_is_written_is_kept(tmp_path: Path) -> None:
+    out, tmp = tmp_path / "p.npy", tmp_path / ".p.npy.tmp"
+    tmp.write_text("rows")
+    out.write_text("appeared")
+    with pytest.raises(ConfigError, match="appeared while it was written"):
+        publish(tmp, out, overwrite=False)
+    assert out.read_text() == "appeared"
+    publish(tmp, out, overwrite=True)
+    assert out.read_text() == "rows" and not tmp.exists()
+
+
+def test_a_run_of_any_layout_evaluates_on_one_process_without_layout_flags(
+    cls_run: Path, tmp_path: Path
+) -> None:
+    """Evaluation runs the whole plain model on every rank and steps no optimizer: the
+    tp x pp x HSDP layout and the optimizer a run trained with (here written into its
+    config.yaml) ask for no `--tp 1 --pp 1`, and their stored code is not imported."""
+    import yaml
+
+    run = tmp_path / "laid_out"
+    run.mkdir()
+    config = yaml.safe_load((cls_run / "config.yaml").read_text())
+    config.update(strategy="fsdp", dp_replicate=2, tp=2, pp=2, pp_microbatches=2,
+                  pp_split="afterplug:net", tp_plan="afterplug:net", sequence_parallel=True,
+                  optimizer="afterplug:net", scheduler="afterplug:net")
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    (run / "model.safetensors").write_bytes((cls_run / "model.safetensors").read_bytes())
+    assert_same_figures(ddptrain.evaluate(run, argv=CODE), last_val_row(cls_run))
+    assert main(["predict", str(run), *CODE, "--output", str(tmp_path / "p.npy")]) == 0
 
 
 def test_interleave_puts_the_ranks_rows_back_in_order() -> None:
@@ -193,8 +313,9 @@ def test_interleave_puts_the_ranks_rows_back_in_order() -> None:
 
 
 def _two_ranks(rank: int, run: Path, out: Path) -> dict[str, Any]:
-    figures = ddptrain.evaluate(run)
-    ddptrain.predict(run, out / "two.npy", batch_size=16)  # the order is the writers' input
+    figures = ddptrain.evaluate(run, argv=CODE)
+    # the order is the writers' input
+    ddptrain.predict(run, out / "two.npy", argv=CODE, batch_size=16)
     return figures
 
 
@@ -207,7 +328,7 @@ def test_two_ranks_evaluate_and_predict_as_one(cls_run: Path, tmp_path: Path) ->
     for rank_figures in figures:
         assert_same_figures(rank_figures, row)
     one = tmp_path / "one.npy"
-    ddptrain.predict(cls_run, one, batch_size=16)
+    ddptrain.predict(cls_run, one, argv=CODE, batch_size=16)
     expected = read_rows(one)
     torch.testing.assert_close(expected, by_hand(cls_run), rtol=0, atol=1e-6)
     got = read_rows(tmp_path / "two.npy")

@@ -186,4 +186,10 @@ def test_export_writes_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture
     exported, final = load_file(str(out)), load_file(str(run / "model.safetensors"))
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k]) for k in final)
-    assert "is not a ddptrain checkpoint" in _one_line(capsys, ["export", str(out), str(out)])
+    assert "is not a ddptrain checkpoint" in _one_line(
+        capsys, ["export", str(out), str(tmp_path / "again.safetensors")]
+    )
+    assert "exists: give another name, or add --overwrite" in _one_line(
+        capsys, ["export", str(run / "checkpoints" / LATEST), str(out)]
+    )
+    assert main(["export", str(run / "checkpoints" / LATEST), str(out), "--overwrite"]) == 0

@@ -418,7 +418,8 @@ def _call_model_factory(factory: Callable[..., Any], config: TrainingConfig, dat
 def evaluate(
     source: str | Path, *, split: str = "val", output: str | Path | None = None,
     model: Any = None, datasets: Any = None, task: Any = None, collate: Any = None,
-    argv: Sequence[str] = (), **fields: Any,
+    argv: Sequence[str] = (), trust_checkpoint_code: bool = False, overwrite: bool = False,
+    **fields: Any,
 ) -> dict[str, float]:
     """The task's figures for a trained model over every sample of a set once, the same
     on any world size: `source` is a run directory, a checkpoint (`.pt` or a DCP step
@@ -426,17 +427,28 @@ def evaluate(
     rebuilt from the run's config; `argv` (`ddptrain train` flags) and then `fields`
     override it (another `dataset`, say); `model`, `datasets`, `task` and `collate` are
     as in `fit`. `split` picks the set's half (`val`: the run's validation set). `output`:
-    a JSON file rank 0 writes the figures to. Returns them on every rank."""
+    a JSON file rank 0 writes the figures to (an existing file only with `overwrite`).
+    Returns them on every rank.
+
+    Code the run's config names (`--model mymod:build`, a `--dataset` function, ...) is
+    imported only if `argv`, `fields` or an argument here names that field again, or with
+    `trust_checkpoint_code`: evaluating a downloaded checkpoint runs no code of its own."""
     from ddptrain.train.inference import check_split, evaluate_set, pick_split
 
     check_split(split)
+    if output is not None:
+        from ddptrain.files import check_output
+
+        check_output(Path(output), "--output", overwrite)
+
     def work(run: Resolved, ctx: Any, module: Any) -> dict[str, float]:
         dataset = pick_split(run.data, split)
         return evaluate_set(module, dataset, run.config, run.task, run.precision, ctx,
                             run.data.collate)
 
     figures, source_path, config, rank = _after_training(
-        source, argv, fields, model, datasets, task, collate, work, "ddptrain evaluate"
+        source, argv, fields, model, datasets, task, collate, work, "ddptrain evaluate",
+        trust_checkpoint_code,
     )
     if output is not None and rank == 0:
         import json
@@ -445,34 +457,37 @@ def evaluate(
 
         record = {"source": str(source_path), "dataset": config.dataset, "split": split,
                   **figures}
-        atomic_write_text(Path(output), json.dumps(record, indent=2) + "\n")
+        atomic_write_text(Path(output), json.dumps(record, indent=2) + "\n", overwrite)
     return figures
 
 
 def predict(
     source: str | Path, output: str | Path, *, split: str = "val", model: Any = None,
-    datasets: Any = None, collate: Any = None, argv: Sequence[str] = (), **fields: Any,
+    datasets: Any = None, collate: Any = None, argv: Sequence[str] = (),
+    trust_checkpoint_code: bool = False, overwrite: bool = False, **fields: Any,
 ) -> int:
     """Write a trained model's outputs for every sample of a set to `output` (`.npy`,
     `.pt` or `.jsonl`), one row per sample in the set's order, on any world size (rank 0
     writes, a round of batches at a time); the samples' targets, if any, are not used.
-    `source`, `argv`, `fields`, `model`, `datasets`, `collate` and `split` are as in
-    `evaluate`. Returns the number of rows."""
+    `source`, `argv`, `fields`, `model`, `datasets`, `collate`, `split`,
+    `trust_checkpoint_code` and `overwrite` are as in `evaluate`. Returns the number of
+    rows."""
     from ddptrain.train.inference import check_split, pick_split, refuse_streams
     from ddptrain.train.predict import check_output, predict_set
 
     out = Path(output)
-    check_output(out)
+    check_output(out, overwrite)
     check_split(split)
 
     def work(run: Resolved, ctx: Any, module: Any) -> int:
         dataset = pick_split(run.data, split)
         refuse_streams(dataset, "predict")
         return predict_set(module, dataset, run.config, run.precision, ctx, out,
-                           run.data.collate)
+                           run.data.collate, overwrite)
 
     rows, _, _, _ = _after_training(
-        source, argv, fields, model, datasets, None, collate, work, "ddptrain predict"
+        source, argv, fields, model, datasets, None, collate, work, "ddptrain predict",
+        trust_checkpoint_code,
     )
     return int(rows)
 
@@ -480,7 +495,7 @@ def predict(
 def _after_training(
     source: str | Path, argv: Sequence[str], fields: dict[str, Any], model: Any,
     datasets: Any, task: Any, collate: Any, work: Callable[[Resolved, Any, Any], Any],
-    prog: str,
+    prog: str, trust_code: bool,
 ) -> tuple[Any, Path, TrainingConfig, int]:
     """Rebuild a trained model from its run's config on every rank, load its weights,
     call `work(run, ctx, module)` in a process group and tear the group down."""
@@ -490,7 +505,9 @@ def _after_training(
     if isinstance(collate, str):
         fields, collate = {**fields, "collate": collate}, None
     found = find_source(Path(source))
-    config = source_config(found, argv, fields, prog)
+    objects = {"model": model, "dataset": datasets, "task": task, "collate": collate}
+    given = [name for name, obj in objects.items() if obj is not None]
+    config = source_config(found, argv, fields, prog, given, trust_code)
     run = resolve_run(config, datasets, task, model, collate)
     ctx = setup_distributed(run.config, run.cluster, run.device, run.backend)
     clean = False

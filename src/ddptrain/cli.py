@@ -90,8 +90,10 @@ def _cmd_export(argv: list[str]) -> int:
         "checkpoint", type=Path, help="a ddptrain checkpoint: a .pt file or a DCP step directory"
     )
     parser.add_argument("output", type=Path, help="the .safetensors file to write")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the output file if it exists")
     args = parser.parse_args(argv)
-    count = export_safetensors(args.checkpoint, args.output)
+    count = export_safetensors(args.checkpoint, args.output, args.overwrite)
     print(f"wrote {count} tensors to {args.output}")
     return 0
 
@@ -128,6 +130,13 @@ def _after_args(argv: list[str], prog: str, what: str, output_help: str) -> tupl
     parser.add_argument("--split", default="val", choices=("val", "train"),
                         help="which half of the data (default: val, the run's validation set)")
     parser.add_argument("--output", type=Path, default=None, help=output_help)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the --output file if it exists")
+    parser.add_argument(
+        "--trust_checkpoint_code", action="store_true",
+        help="import and call the module:fn names the run's config stores (a --model, "
+        "--dataset, ... function) without naming them again: only for a source you trust",
+    )
     if argv and argv[0] in ("-h", "--help"):
         parser.print_help()
         return None, []
@@ -146,7 +155,9 @@ def _cmd_evaluate(argv: list[str]) -> int:
     )
     if args is None:
         return 0
-    figures = evaluate(args.source, split=args.split, output=args.output, argv=rest)
+    figures = evaluate(args.source, split=args.split, output=args.output, argv=rest,
+                       trust_checkpoint_code=args.trust_checkpoint_code,
+                       overwrite=args.overwrite)
     if _rank() == "0":
         text = " | ".join(f"{k} {v:.6g}" for k, v in figures.items() if k != "samples")
         print(f"evaluate {args.source} ({args.split}, {figures.get('samples', 0)} samples): "
@@ -166,7 +177,8 @@ def _cmd_predict(argv: list[str]) -> int:
         return 0
     if args.output is None:
         raise ConfigError("predict needs --output: a .npy, .pt or .jsonl file to write")
-    rows = predict(args.source, args.output, split=args.split, argv=rest)
+    rows = predict(args.source, args.output, split=args.split, argv=rest,
+                   trust_checkpoint_code=args.trust_checkpoint_code, overwrite=args.overwrite)
     if _rank() == "0":
         print(f"wrote {rows} rows to {args.output}", flush=True)
     return 0

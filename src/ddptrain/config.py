@@ -15,6 +15,7 @@ import dataclasses
 import sys
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NoReturn
@@ -459,6 +460,19 @@ def _is_import_ref(value: str) -> bool:
     return bool(sep and module and attr.isidentifier())
 
 
+# The fields whose value can name code a run imports and calls (`package.module:fn`).
+CODE_FIELDS = ("dataset", "collate", "model", "task", "optimizer", "scheduler", "tp_plan",
+               "pp_split")
+
+
+def names_code(field: str, value: Any) -> bool:
+    """Whether `value`, given for config field `field`, names code to import and call
+    (`hf:DIR`, a model's weights and config, does not)."""
+    if field not in CODE_FIELDS or not isinstance(value, str):
+        return False
+    return not (field == "model" and value.startswith("hf:")) and _is_import_ref(value)
+
+
 def _bad(name: str, value: Any, fix: str) -> NoReturn:
     raise ConfigError(f"--{name} {value!r} is invalid: {fix}")
 
@@ -653,15 +667,19 @@ def build_parser(prog: str = "ddptrain train") -> argparse.ArgumentParser:
     return parser
 
 
+def config_file_fields(argv: Sequence[str]) -> dict[str, Any]:
+    """The fields of the `--config FILE.yaml` among `argv`; none without one."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(list(argv))
+    return load_yaml(known.config) if known.config else {}
+
+
 def parse_config(argv: list[str] | None = None) -> TrainingConfig:
     """Parse flags over an optional YAML file over the dataclass defaults, then validate."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv)
-    if known.config:
-        parser.set_defaults(**load_yaml(known.config))
+    parser.set_defaults(**config_file_fields(argv))
     args = vars(parser.parse_args(argv))
     args.pop("config")
     return TrainingConfig(**args).validate()

@@ -9,10 +9,17 @@ directory. A crash leaves the old file or the new one, never a torn one.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+from ddptrain.errors import ConfigError
+
+# A run directory's lock: a live job holds an exclusive `flock` on it (`RunLock`).
+LOCK_NAME = ".lock"
 
 
 def temp_name(path: Path) -> Path:
@@ -29,25 +36,86 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged(path: Path) -> Iterator[Path]:
-    """Yield a temporary path to write; on success it is fsynced and renamed to `path`."""
+def staged(path: Path, overwrite: bool = True) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it is fsynced and moved to `path`
+    (`publish`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(path)
     try:
         yield tmp
         with tmp.open("rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path, overwrite)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def publish(tmp: Path, path: Path, overwrite: bool = True) -> None:
+    """Move the written `tmp` to `path` atomically. Without `overwrite`, a file that
+    appeared at `path` meanwhile is kept and the move refused (a hard link fails where a
+    name exists; a filesystem without links gets a check just before the rename)."""
+    if overwrite:
+        os.replace(tmp, path)
+    else:
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise ConfigError(f"{str(path)!r} appeared while it was written: it was "
+                              "left as it is; give another name, or --overwrite") from None
+        except OSError:  # no hard links here
+            if os.path.lexists(path):
+                raise ConfigError(f"{str(path)!r} appeared while it was written: it was "
+                                  "left as it is; give another name, or --overwrite") from None
+            os.replace(tmp, path)
+        else:
+            tmp.unlink()
     fsync_dir(path.parent)
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+def check_output(path: Path, flag: str, overwrite: bool) -> None:
+    """Refuse, before any work, an output the user did not ask to replace (`--overwrite`),
+    one that is not a regular file, or one inside a run directory a live run holds."""
+    if os.path.lexists(path):
+        if not overwrite:
+            raise ConfigError(f"{flag} {str(path)!r} exists: give another name, or add "
+                              "--overwrite to replace it")
+        if path.is_symlink() or not path.is_file():
+            raise ConfigError(f"{flag} {str(path)!r} is not a regular file (a directory, "
+                              "link, device or FIFO): give a file name")
+    for folder in path.absolute().parents:
+        holder = live_holder(folder)
+        if holder is not None:
+            raise ConfigError(
+                f"{flag} {str(path)!r} is inside the run directory {str(folder)!r}, which a "
+                f"live run holds ({holder}): write it elsewhere, or after that run ends"
+            )
+
+
+def live_holder(run_dir: Path) -> str | None:
+    """Who holds `run_dir`'s lock ("host H pid P"), if a live job does; None for a
+    directory no job holds (or that is no run directory)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(run_dir / LOCK_NAME, flags)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return f.read().strip() or "another process"
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], object],
+                 overwrite: bool = True) -> None:
     """Call `write(file)` on a temporary file and move the result to `path` atomically."""
-    with staged(path) as tmp, tmp.open("wb") as f:
+    with staged(path, overwrite) as tmp, tmp.open("wb") as f:
         write(f)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda f: f.write(text.encode()))
+def atomic_write_text(path: Path, text: str, overwrite: bool = True) -> None:
+    atomic_write(path, lambda f: f.write(text.encode()), overwrite)

@@ -15,10 +15,11 @@ from torch import nn
 from ddptrain.checkpoint.common import CheckpointError
 from ddptrain.checkpoint.manager import load_checkpoint
 from ddptrain.context import DistributedContext
-from ddptrain.files import fsync_dir, staged
+from ddptrain.files import check_output, fsync_dir, staged
 
 
-def export_safetensors_state(state: dict[str, torch.Tensor], out: Path) -> int:
+def export_safetensors_state(state: dict[str, torch.Tensor], out: Path,
+                             overwrite: bool = True) -> int:
     """Write model weights to a safetensors file atomically; returns the tensor count.
 
     Tied weights (one tensor under two names, like a language model's embedding and
@@ -36,7 +37,7 @@ def export_safetensors_state(state: dict[str, torch.Tensor], out: Path) -> int:
     aliases = {alias: name for name, names in shared.items() for alias in names}
     tensors = {k: v.cpu().contiguous() for k, v in weights.items() if k not in aliases}
     metadata = {"format": "pt", **{f"tied:{a}": n for a, n in aliases.items()}}
-    with staged(out) as tmp:
+    with staged(out, overwrite) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
     return len(tensors)
 
@@ -45,10 +46,12 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
-def export_safetensors(checkpoint: Path, out: Path) -> int:
+def export_safetensors(checkpoint: Path, out: Path, overwrite: bool = False) -> int:
     """`ddptrain export`: the whole model of a checkpoint (a `.pt` file or a DCP step
-    directory of any world size), for inference; a damaged checkpoint is refused."""
-    return export_safetensors_state(checkpoint_model_state(checkpoint), out)
+    directory of any world size), for inference; a damaged checkpoint is refused, and an
+    existing `out` replaced only with `overwrite`."""
+    check_output(out, "output", overwrite)
+    return export_safetensors_state(checkpoint_model_state(checkpoint), out, overwrite)
 
 
 def checkpoint_model_state(

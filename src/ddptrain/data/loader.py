@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -203,7 +203,7 @@ def make_loader(
     )
 
 
-def read(loader: DataLoader) -> Iterator[Any]:
+def read(loader: Iterable[Any]) -> Iterator[Any]:
     """The batches of `loader`. A worker killed while it hands a batch over (the batch's
     storage travels through a socket the worker serves) can fail the read with a broken
     connection before the worker is seen dead; that is then told as the worker's death,

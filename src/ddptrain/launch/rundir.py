@@ -36,6 +36,7 @@ import yaml
 
 from ddptrain.config import TrainingConfig, dump_yaml
 from ddptrain.errors import ConfigError
+from ddptrain.files import LOCK_NAME
 
 # What makes a directory a run's: any of these written by an earlier run.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.safetensors")
@@ -144,7 +145,7 @@ class RunLock:
     """An exclusive `flock` on `<run_dir>/.lock`, held by rank 0 for the whole job."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / ".lock"
+        self.path = run_dir / LOCK_NAME
         self._file: IO[str] | None = None
 
     def acquire(self) -> None:

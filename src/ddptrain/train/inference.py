@@ -15,7 +15,7 @@ backward) and loads the weights after their checksums are checked.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,14 @@ from ddptrain.checkpoint import (
 )
 from ddptrain.checkpoint.common import check_model_state
 from ddptrain.checkpoint.dcp import is_whole
-from ddptrain.config import TrainingConfig, build_parser, load_yaml
+from ddptrain.config import (
+    CODE_FIELDS,
+    TrainingConfig,
+    build_parser,
+    config_file_fields,
+    load_yaml,
+    names_code,
+)
 from ddptrain.context import DistributedContext
 from ddptrain.data import DataBundle, ModelCall, make_val_loader
 from ddptrain.errors import ConfigError
@@ -43,9 +50,18 @@ from ddptrain.train.precision import Precision
 from ddptrain.train.tasks import Scorer, Task, head_size
 
 SPLITS = ("val", "train")
+# How a run trained: evaluation and prediction step no optimizer and run the whole plain
+# model on every rank, whatever the layout and the number of ranks.
+_TRAINING = ("optimizer", "optimizer_args", "scheduler", "scheduler_args", "dp_replicate",
+             "tp", "pp", "pp_schedule", "pp_microbatches", "pp_split", "tp_plan",
+             "sequence_parallel")
 # What a run's config may say that means nothing once it has finished: evaluation starts
-# no run of its own, resumes nothing and logs to no tracker.
-_NOT_AFTER: dict[str, Any] = {"resume_from": None, "tracker": "none", "dry_run": False}
+# no run of its own, resumes nothing, logs to no tracker, and is none of the above.
+_NOT_AFTER: dict[str, Any] = {
+    "resume_from": None, "tracker": "none", "dry_run": False,
+    **{f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+       for f in dataclasses.fields(TrainingConfig) if f.name in _TRAINING},
+}
 
 
 @dataclass(frozen=True)
@@ -104,15 +120,39 @@ def _run_dir(path: Path) -> Source:
 
 def source_config(
     source: Source, argv: Sequence[str] = (), fields: Mapping[str, Any] | None = None,
-    prog: str = "ddptrain evaluate",
+    prog: str = "ddptrain evaluate", given: Collection[str] = (), trust_code: bool = False,
 ) -> TrainingConfig:
-    """The run's config with `argv` (any `ddptrain train` flag) and then `fields` over
-    it, validated; what only a training run means (resuming, a tracker) is dropped."""
+    """The run's config with the user's `--config` file, then `argv` (any `ddptrain train`
+    flag), then `fields` over it, validated; what only a training run means (resuming, a
+    tracker) is dropped. Code the stored config names (`module:fn`) is imported only where
+    the user names that field again (in `argv`, their `--config` file or `fields`; `given`:
+    the fields an object of theirs stands in for), or with `trust_code`: a downloaded
+    checkpoint or run directory runs nothing the user did not ask for."""
     names = {f.name for f in dataclasses.fields(TrainingConfig)}
+    stored = {k: v for k, v in source.config.items() if k in names}
     parser = build_parser(prog)
-    parser.set_defaults(**{k: v for k, v in source.config.items() if k in names})
+    defaults = {name: parser.get_default(name) for name in CODE_FIELDS}
+    own = config_file_fields(argv)
+    unnamed = object()  # a code field the user's command line leaves to the stored config
+    parser.set_defaults(**{**stored, **own})
+    parser.set_defaults(**{name: unnamed for name in CODE_FIELDS if name not in own})
     args = vars(parser.parse_args(list(argv)))
     args.pop("config", None)
+    named = set(fields or {}) | set(given)
+    for name in CODE_FIELDS:
+        if args[name] is unnamed:
+            args[name] = stored.get(name, defaults[name])
+        else:
+            named.add(name)
+    stored_code = [n for n in CODE_FIELDS if n not in named and n not in _NOT_AFTER
+                   and names_code(n, args[n])]
+    if stored_code and not trust_code:
+        flags = " ".join(f"--{n} {args[n]}" for n in stored_code)
+        raise ConfigError(
+            f"the config stored with {str(source.weights)!r} names code to import and run "
+            f"({flags}); ddptrain runs only code your command names: give {flags} again "
+            "if you trust it, or add --trust_checkpoint_code"
+        )
     config = dataclasses.replace(TrainingConfig(**args), **{**(fields or {}), **_NOT_AFTER})
     return config.validate()
 

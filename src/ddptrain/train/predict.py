@@ -38,14 +38,16 @@ from ddptrain.context import DistributedContext, gather_to_main
 from ddptrain.data import ModelCall, make_val_loader, split, to_device
 from ddptrain.data.loader import read
 from ddptrain.errors import ConfigError
-from ddptrain.files import fsync_dir, temp_name
+from ddptrain.files import check_output as check_new_output
+from ddptrain.files import publish, temp_name
 from ddptrain.train.precision import Precision
 
 SUFFIXES = (".npy", ".pt", ".jsonl")
 
 
-def check_output(path: Path) -> None:
-    """Refuse an output the writers cannot make, before any work starts."""
+def check_output(path: Path, overwrite: bool = False) -> None:
+    """Refuse an output the writers cannot make, or that would replace a file unasked,
+    before any work starts."""
     if path.suffix not in SUFFIXES:
         raise ConfigError(
             f"--output {str(path)!r} has an unknown suffix: end it in "
@@ -53,12 +55,14 @@ def check_output(path: Path) -> None:
         )
     if path.is_dir():
         raise ConfigError(f"--output {str(path)!r} is a directory: give a file name")
+    check_new_output(path, "--output", overwrite)
 
 
 @torch.no_grad()
 def predict_set(
     module: nn.Module, dataset: Dataset, config: TrainingConfig, precision: Precision,
     ctx: DistributedContext, output: Path, collate: Callable[[list[Any]], Any] | None = None,
+    overwrite: bool = False,
 ) -> int:
     """Write the model's output for every sample of `dataset` to `output` (rank 0), in
     the dataset's order; returns the number of rows. Collective."""
@@ -71,7 +75,7 @@ def predict_set(
     module.eval()
     # Rank 0's shard is the longest (ceil(n / N) samples): every rank runs its rounds.
     rounds = math.ceil(math.ceil(n / ctx.world_size) / config.batch_size)
-    sink = _writer(output, n) if ctx.is_main else None
+    sink = _writer(output, n, overwrite) if ctx.is_main else None
     failure: str | None = None
     try:
         for _ in range(rounds):
@@ -158,6 +162,7 @@ class _Writer:
     def __init__(self, path: Path, n: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.n, self.tmp, self.done = path, n, temp_name(path), 0
+        self.overwrite = False
 
     def write(self, rows: torch.Tensor) -> None:
         raise NotImplementedError
@@ -171,8 +176,7 @@ class _Writer:
         self.finish()
         with self.tmp.open("rb+") as f:
             os.fsync(f.fileno())
-        os.replace(self.tmp, self.path)
-        fsync_dir(self.path.parent)
+        publish(self.tmp, self.path, self.overwrite)
 
     def abort(self) -> None:
         self.finish()
@@ -249,6 +253,8 @@ class _JsonlWriter(_Writer):
             self.file = None
 
 
-def _writer(path: Path, n: int) -> _Writer:
+def _writer(path: Path, n: int, overwrite: bool) -> _Writer:
     kinds = {".npy": _NpyWriter, ".pt": _PtWriter, ".jsonl": _JsonlWriter}
-    return kinds[path.suffix](path, n)
+    writer = kinds[path.suffix](path, n)
+    writer.overwrite = overwrite
+    return writer
