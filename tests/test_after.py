@@ -173,6 +173,15 @@ def test_bad_inputs_are_one_line_and_exit_2(
     (run / "config.yaml").write_bytes((cls_run / "config.yaml").read_bytes())
     (run / "model.safetensors").write_bytes((cls_run / "model.safetensors").read_bytes()[:20])
     _one_line_exit_2(["evaluate", str(run), *CODE], capsys, "damaged")
+    # 64 bytes flipped inside its tensor data: the checksums the export wrote catch them
+    data = bytearray((cls_run / "model.safetensors").read_bytes())
+    data[-64:] = bytes(b ^ 0xFF for b in data[-64:])
+    (run / "model.safetensors").write_bytes(bytes(data))
+    for command in (["evaluate", str(run), *CODE], ["predict", str(run), *CODE, "--output",
+                                                    str(out)]):
+        _one_line_exit_2(command, capsys, "model.safetensors' is damaged: tensor")
+    _one_line_exit_2(["train", *CLS, "--init_from", str(run / "model.safetensors"),
+                      "--output_dir", str(tmp_path / "init")], capsys, "does not match its checksum")
     _one_line_exit_2(["evaluate", str(cls_run), *CODE, "--width", "0"], capsys, "--width 0")
     assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
 

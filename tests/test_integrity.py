@@ -10,6 +10,7 @@ own process at an exact training forward (`guardplug.py`, GUARD_KILL_AT).
 from __future__ import annotations
 
 import os
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from conftest import run_cli, run_torchrun
 from procs import assert_bitwise, weights
 
 from ddptrain.checkpoint import list_checkpoints, list_step_dirs, load_checkpoint, save_checkpoint
-from ddptrain.checkpoint.common import forget_reads
+from ddptrain.checkpoint.common import CheckpointError, forget_reads
+from ddptrain.checkpoint.dcp import META, read_meta
 from ddptrain.cli import main
 from ddptrain.context import DistributedContext
 
@@ -38,15 +40,40 @@ def _flip(path: Path, offset: int, n: int = 64) -> None:
         f.write(bytes(b ^ 0xFF for b in data))
 
 
-def _tensor_bytes_of_pt(path: Path) -> int:
-    """The offset of the middle of the largest tensor record of a torch zip file."""
-    with zipfile.ZipFile(path) as z:
-        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+def _member_offset(path: Path, info: zipfile.ZipInfo) -> int:
+    """Where a stored (uncompressed) member's bytes start in its zip file."""
     with path.open("rb") as f:
         f.seek(info.header_offset + 26)
         name_len = int.from_bytes(f.read(2), "little")
         extra_len = int.from_bytes(f.read(2), "little")
-    return info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def _tensor_bytes_of_pt(path: Path) -> int:
+    """The offset of the middle of the largest tensor record of a torch zip file."""
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    return _member_offset(path, info) + info.file_size // 2
+
+
+def _flip_a_field(path: Path, key: str) -> None:
+    """Flip the lowest bit of the value stored under `key` in a torch zip file's pickle:
+    a small int (`K` n) or the first character of a string (`X` length text), the bytes
+    after the key's string and its memo entry (`q` i)."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
+        data = z.read(info)
+    name = key.encode()
+    at = data.find(b"X" + len(name).to_bytes(4, "little") + name)
+    assert at >= 0, key
+    value = at + 5 + len(name) + 2  # past the key and its BINPUT
+    assert data[at + 5 + len(name)] == ord("q") and data[value] in b"KX", (key, data[value:][:8])
+    byte = value + (1 if data[value] == ord("K") else 5)
+    with path.open("r+b") as f:
+        f.seek(_member_offset(path, info) + byte)
+        original = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([original ^ 1]))
 
 
 def _damage(target: Path, how: str) -> Path:
@@ -133,6 +160,34 @@ def test_resume_from_a_damaged_file_is_one_line_and_exit_2(
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("ddptrain: error: checkpoint"), err
     assert "is damaged: tensor" in err[0] and "does not match its checksum" in err[0]
+
+
+@pytest.mark.parametrize("fmt", ["file", "dcp"])
+def test_a_bit_flipped_in_any_field_is_damage_not_a_silent_resume(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Progress, schedule and config are under the checksums as the tensors are: one bit
+    of `samples_in_epoch`, `step`, the scheduler's `last_epoch` or the config's dataset,
+    in a `.pt` or a step directory's `meta.pt`, and the checkpoint is refused."""
+    run = tmp_path / "run"
+    monkeypatch.setattr("ddptrain.observe.plot.matplotlib_available", lambda: False)
+    assert main(["train", "--dataset", "digits", "--epochs", "1", "--batch_size", "512",
+                 "--no-tensorboard", "--checkpoint_format", fmt,
+                 "--output_dir", str(run)]) == 0
+    (step,) = sorted((run / "checkpoints").glob("step_*"))
+    for key in ("samples_in_epoch", "step", "last_epoch", "dataset"):
+        copy = tmp_path / key / step.name
+        if fmt == "dcp":
+            shutil.copytree(step, copy)
+            target = copy / META
+        else:
+            copy.parent.mkdir()
+            target = Path(shutil.copyfile(step, copy))
+        _flip_a_field(target, key if key != "dataset" else "digits")
+        forget_reads()
+        with pytest.raises(CheckpointError, match=r"a field other than the tensors .* does "
+                           r"not match its checksum"):
+            read_meta(copy, CPU) if fmt == "dcp" else load_checkpoint(copy, CPU, verify=True)
 
 
 def _written() -> int:

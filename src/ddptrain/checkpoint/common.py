@@ -106,16 +106,14 @@ def _link_or_copy(source: Path, target: Path) -> None:
 
 def stamped(state: dict[str, Any]) -> dict[str, Any]:
     """`state` on the CPU with what wrote it (the format, its version, the library
-    versions) and the checksum of every tensor."""
+    versions) and the checksums of every tensor and of all the rest."""
     versions = {
         "ddptrain": __version__, "torch": str(torch.__version__),
         "python": sys.version.split()[0],
     }
-    state = to_cpu(state)
-    return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, **state, "versions": versions,
-        "checksums": checksums(state),
-    }
+    body = {"format": FORMAT, "format_version": FORMAT_VERSION, **to_cpu(state),
+            "versions": versions}
+    return {**body, "checksums": checksums(body)}
 
 
 def agree_on_write(

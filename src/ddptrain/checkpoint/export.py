@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ddptrain.checkpoint.common import CheckpointError
+from ddptrain.checkpoint.integrity import safetensors_damage, safetensors_sums
 from ddptrain.checkpoint.manager import load_checkpoint
 from ddptrain.context import DistributedContext
 from ddptrain.files import check_output, fsync_dir, staged
@@ -36,7 +37,8 @@ def export_safetensors_state(state: dict[str, torch.Tensor], out: Path,
     shared = _remove_duplicate_names(weights)  # {kept name: [aliases of the same tensor]}
     aliases = {alias: name for name, names in shared.items() for alias in names}
     tensors = {k: v.cpu().contiguous() for k, v in weights.items() if k not in aliases}
-    metadata = {"format": "pt", **{f"tied:{a}": n for a, n in aliases.items()}}
+    metadata = {"format": "pt", **{f"tied:{a}": n for a, n in aliases.items()},
+                **safetensors_sums(tensors)}
     with staged(out, overwrite) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
     return len(tensors)
@@ -70,9 +72,10 @@ def checkpoint_model_state(
     return dict(payload["model_state_dict"])
 
 
-def read_safetensors_state(path: Path) -> dict[str, torch.Tensor]:
-    """The weights of a file `export_safetensors_state` wrote, tied names restored; a
-    file that is not one is refused with one line."""
+def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of a safetensors file, checked against the checksums
+    ddptrain's export writes into it; a damaged file, or one that is not a safetensors
+    file, is refused with one line."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -87,6 +90,18 @@ def read_safetensors_state(path: Path) -> dict[str, torch.Tensor]:
             f"weights file {str(path)!r} is damaged or not a safetensors file ({reason}): "
             "export it again with `ddptrain export`, or give a checkpoint"
         ) from None
+    damage = safetensors_damage(state, metadata)
+    if damage is not None:
+        raise CheckpointError(
+            f"weights file {str(path)!r} is damaged: {damage}: export it again with "
+            "`ddptrain export`, or give a checkpoint"
+        )
+    return state, metadata
+
+
+def read_safetensors_state(path: Path) -> dict[str, torch.Tensor]:
+    """The weights of a file `export_safetensors_state` wrote, tied names restored."""
+    state, metadata = read_safetensors(path)
     for key, value in metadata.items():
         alias = key.removeprefix("tied:")
         if alias != key and value in state:

@@ -35,6 +35,7 @@ from ddptrain.checkpoint.dcp import (
     model_state_from_dir,
     read_meta,
 )
+from ddptrain.checkpoint.export import read_safetensors
 from ddptrain.context import DistributedContext
 
 log = logging.getLogger("ddptrain")
@@ -167,14 +168,9 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     if path.is_dir():
         path = _weights_file(path)
     if path.suffix == ".safetensors" or path.name == SHARDED:
-        from safetensors.torch import load_file
-
         state: dict[str, torch.Tensor] = {}
         for file in _safetensors_files(path):
-            try:
-                state.update(load_file(str(file)))
-            except Exception as exc:
-                raise _unreadable(file, exc) from None
+            state.update(read_safetensors(file)[0])  # checked against its checksums
         return state
     return dict(read_payload(path, torch.device("cpu"), verify=True)["model_state_dict"])
 

@@ -1,9 +1,11 @@
 """Checksums: every checkpoint carries them, every resume checks them before it trusts a byte.
 
 A `.pt` file holds a CRC-32 of every tensor it stores (`checksums`: the tensor's path in
-the payload -> [bytes, crc]); a DCP step directory's `meta.pt` holds one per shard file
-(`shards`: file name -> [bytes, crc]), computed by the ranks that wrote them, each over
-its share of the files. On resume the checkpoint a rank is about to load is checked the
+the payload -> [bytes, crc]) and one of everything else in it (`checksums["<fields>"]`:
+progress, schedule, RNG states, config, versions, as text with each tensor a mark); a DCP
+step directory's `meta.pt` holds the same of itself, and one per shard file (`shards`:
+file name -> [bytes, crc]), computed by the ranks that wrote them, each over its share
+of the files. On resume the checkpoint a rank is about to load is checked the
 same way: a `.pt` by the rank that locates it, a step directory by every rank over its
 share of the files. A damaged or truncated checkpoint is then skipped like a torn one
 (`--resume_from auto` goes back to the previous whole checkpoint) or refused (a path
@@ -15,6 +17,7 @@ that already reads those bytes.
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -46,24 +49,83 @@ def tensors_in(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]
             yield from tensors_in(value, f"{prefix}.{i}" if prefix else str(i))
 
 
+FIELDS = "<fields>"  # the checksum of everything in a payload that is not a tensor
+
+
+def fields_text(obj: Any) -> str:
+    """Everything in nested dicts, lists and tuples but the tensors' contents, as text
+    that reads back the same from the file (a tensor is a mark: its CRC is its own)."""
+    if isinstance(obj, torch.Tensor):
+        return "T"
+    if isinstance(obj, dict):
+        return "{" + ",".join(f"{k!r}:{fields_text(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, (list, tuple)):
+        inner = ",".join(fields_text(v) for v in obj)
+        return f"[{inner}]" if isinstance(obj, list) else f"({inner})"
+    return repr(obj)
+
+
 def checksums(state: Any) -> dict[str, list[int]]:
-    """[bytes, crc32] of every tensor in `state` (CPU tensors), by path."""
-    return {path: tensor_crc(tensor) for path, tensor in tensors_in(state)}
+    """[bytes, crc32] of every tensor in `state` (CPU tensors), by path, and of all the
+    rest (`FIELDS`)."""
+    sums = {path: tensor_crc(tensor) for path, tensor in tensors_in(state)}
+    text = fields_text(state).encode()
+    return {**sums, FIELDS: [len(text), zlib.crc32(text)]}
 
 
 def payload_damage(payload: dict[str, Any]) -> str | None:
-    """What is wrong with a loaded payload's tensors, or None when every one matches the
-    checksum written with it (a file written before checksums: None)."""
+    """What is wrong with a loaded payload, or None when every tensor and all the rest
+    match the checksums written with it (a file written before checksums: None)."""
     expected = payload.get("checksums")
     if not expected:
         return None
-    found = dict(tensors_in({k: v for k, v in payload.items() if k != "checksums"}))
+    body = {k: v for k, v in payload.items() if k != "checksums"}
+    fields = expected.get(FIELDS)
+    if fields is not None:
+        text = fields_text(body).encode()
+        if [len(text), zlib.crc32(text)] != list(fields):
+            return ("a field other than the tensors (progress, schedule, RNG state or "
+                    "config) does not match its checksum")
+    found = dict(tensors_in(body))
     for path, want in expected.items():
+        if path == FIELDS:
+            continue
         tensor = found.get(path)
         if tensor is None:
             return f"tensor {path} is missing"
         if tensor_crc(tensor) != list(want):
             return f"tensor {path} does not match its checksum"
+    return None
+
+
+# The safetensors metadata entry of ddptrain's exports: {tensor name: [bytes, crc32]}.
+SAFETENSORS_SUMS = "ddptrain:checksums"
+
+
+def safetensors_sums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The metadata entry that carries the checksum of each tensor of a safetensors file."""
+    return {SAFETENSORS_SUMS: json.dumps(checksums_of_tensors(tensors), separators=(",", ":"))}
+
+
+def checksums_of_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    return {name: tensor_crc(tensor) for name, tensor in tensors.items()}
+
+
+def safetensors_damage(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str | None:
+    """What is wrong with a safetensors file's tensors against the checksums in its
+    metadata, or None (a file without them, another tool's: None)."""
+    text = metadata.get(SAFETENSORS_SUMS)
+    if text is None:
+        return None
+    try:
+        expected = json.loads(text)
+    except json.JSONDecodeError:
+        return "its checksums cannot be read"
+    if not isinstance(expected, dict) or set(expected) != set(tensors):
+        return "its tensors are not those its checksums list"
+    for name, tensor in tensors.items():
+        if tensor_crc(tensor) != expected[name]:
+            return f"tensor {name} does not match its checksum"
     return None
 
 
