@@ -7,6 +7,7 @@ public API on real gloo ranks (`run_ranks`) and the CLI under torchrun.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -177,11 +178,12 @@ def test_bad_inputs_are_one_line_and_exit_2(
     data = bytearray((cls_run / "model.safetensors").read_bytes())
     data[-64:] = bytes(b ^ 0xFF for b in data[-64:])
     (run / "model.safetensors").write_bytes(bytes(data))
-    for command in (["evaluate", str(run), *CODE], ["predict", str(run), *CODE, "--output",
-                                                    str(out)]):
+    predict = ["predict", str(run), *CODE, "--output", str(out)]
+    for command in (["evaluate", str(run), *CODE], predict):
         _one_line_exit_2(command, capsys, "model.safetensors' is damaged: tensor")
-    _one_line_exit_2(["train", *CLS, "--init_from", str(run / "model.safetensors"),
-                      "--output_dir", str(tmp_path / "init")], capsys, "does not match its checksum")
+    init = ["train", *CLS, "--init_from", str(run / "model.safetensors"),
+            "--output_dir", str(tmp_path / "init")]
+    _one_line_exit_2(init, capsys, "does not match its checksum")
     _one_line_exit_2(["evaluate", str(cls_run), *CODE, "--width", "0"], capsys, "--width 0")
     assert not out.exists() and not list(tmp_path.glob(".*tmp*"))
 
@@ -279,6 +281,16 @@ def test_outputs_replace_no_file_unasked_and_stay_out_of_a_live_run(
     finally:
         lock.release()
     assert main(["predict", str(cls_run), *CODE, "--output", str(live / "p.npy")]) == 0
+    # a prediction killed mid-way left its temporary files; one still writing holds its own
+    out = tmp_path / "again.pt"
+    killed = [tmp_path / ".again.pt.4194000.tmp", tmp_path / ".again.pt.4194000.tmp.npy"]
+    for path in killed:
+        path.write_bytes(b"rows")
+    writing = tmp_path / ".again.pt.4194001.tmp"
+    with writing.open("wb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert main(["predict", str(cls_run), *CODE, "--output", str(out)]) == 0
+        assert writing.exists() and not any(path.exists() for path in killed)
 
 
 def test_a_file_that_appears_while_the_output_is_written_is_kept(tmp_path: Path) -> None:

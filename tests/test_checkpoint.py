@@ -154,6 +154,10 @@ def test_unusable_checkpoints_are_refused_with_one_line(
     evil = tmp_path / "evil.pt"
     evil.write_bytes(pickle.dumps({"format": "ddptrain-checkpoint", "x": _RunsCode(marker)}))
     err = _one_line(capsys, [*args, "--resume_from", str(evil)])
+    assert "it is not a torch zip file" in err and "a bare pickle is never loaded" in err
+    torch.save({"format": "ddptrain-checkpoint", "x": _RunsCode(marker)}, evil)  # zipped
+    assert not marker.exists()
+    err = _one_line(capsys, [*args, "--resume_from", str(evil)])
     assert "pickled Python objects, which are refused" in err
     assert not marker.exists(), "loading the checkpoint ran its code"
 
@@ -186,7 +190,7 @@ def test_export_writes_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture
     exported, final = load_file(str(out)), load_file(str(run / "model.safetensors"))
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k]) for k in final)
-    assert "is not a ddptrain checkpoint" in _one_line(
+    assert "it is not a torch zip file" in _one_line(
         capsys, ["export", str(out), str(tmp_path / "again.safetensors")]
     )
     assert "exists: give another name, or add --overwrite" in _one_line(

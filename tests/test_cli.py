@@ -48,6 +48,10 @@ BAD_FLAGS = [
     (["train", "--strategy", "fsdp", "--static_graph"], "--static_graph is a DDP setting"),
     (["train", "--static_graph", "--grad_accum_steps", "2"],
      "--static_graph with gradient accumulation (2 micro-steps a step) is unsupported"),
+    (["train", "--early_stopping", "2", "--early_stopping_min_delta", "nan"],
+     "--early_stopping_min_delta nan is invalid: use a finite number"),
+    (["train", "--lr", "inf"], "--lr inf is invalid: use a finite number"),
+    (["train", "--freeze", "*"], "--freeze * freezes every parameter: nothing would train"),
 ]
 
 
@@ -75,6 +79,10 @@ def test_bad_yaml_and_unknown_field(capsys: pytest.CaptureFixture[str], tmp_path
         ({"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "RANK must be in 0..1"),
         ({"RANK": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "RANK='x'"),
         ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, "MASTER_ADDR is not set"),
+        ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+          "MASTER_PORT": "99999"}, "you set MASTER_PORT=99999, which is not a TCP port"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"},
+         "you set MASTER_PORT=0, which is not a TCP port"),  # a pod per rank
     ],
 )
 def test_bad_launcher_environment(
@@ -89,6 +97,27 @@ def test_bad_launcher_environment(
     rc = main(["train", "--output_dir", str(tmp_path / "run")])
     out = err().err
     assert rc == 2 and needle in out and len(out.strip().splitlines()) == 1, out
+
+
+def test_a_master_name_that_never_resolves_is_one_line_after_the_timeout(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """Not c10d's warning each second while it retries the name: one line of ours."""
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29400"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    capfd.readouterr()
+    t0 = time.monotonic()
+    rc = main(["train", "--timeout_s", "2", "--output_dir", str(tmp_path / "run")])
+    took, err = time.monotonic() - t0, capfd.readouterr().err.strip()
+    assert rc == 2 and err.splitlines() == [
+        "[rank 1] ddptrain: error: MASTER_ADDR=no-such-host.invalid does not resolve to an "
+        "address "
+        "(waited 2s): check the host name, or raise --timeout_s while the master's host (a "
+        "Kubernetes Service: its pod) comes up"
+    ], err
+    assert 2 <= took < 30
 
 
 def _lone_rank(tmp_path: Path, port: int) -> tuple[int, str, float]:

@@ -89,3 +89,15 @@ def test_bad_values_name_field_value_and_fix(argv: list[str], needle: str) -> No
     with pytest.raises(ConfigError) as err:
         parse_config(argv)
     assert needle in str(err.value)
+
+
+def test_tensor_and_pipeline_parallel_runs_checkpoint_as_dcp_and_may_save_in_background() -> None:
+    """Their ranks each write a share: `--checkpoint_format auto` is DCP, which background
+    saves write, so `--async_checkpoint` asks for nothing more."""
+    for layout in ({"tp": 2}, {"pp": 2}, {"strategy": "fsdp"}):
+        config = parse_config(["--async_checkpoint", *(
+            f"--{k}={v}" for k, v in layout.items())])
+        assert config.checkpoint_kind == "dcp", layout
+    assert parse_config([]).checkpoint_kind == "file"
+    with pytest.raises(ConfigError, match="background saves write DCP step directories"):
+        parse_config(["--async_checkpoint"])

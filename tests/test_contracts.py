@@ -26,6 +26,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from nd_workers import fit_runs
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
@@ -81,6 +82,13 @@ def test_pp2_with_a_tied_head_a_padded_batch_and_a_clip_equals_plain(
     group: dict[str, Any],
 ) -> None:
     _assert_equals_plain(group["ranks"][0]["pp"], group["plain"])
+    # The tied head exported once, as plain training exports it: not a copy per stage.
+    pp, plain = (group["dirs"]["pp"], group["dirs"]["pp"].with_name("plain"))
+    exported = [safe_open(str(d / "model.safetensors"), "pt") for d in (pp, plain)]
+    keys, ties = ([sorted(f.keys()) for f in exported],
+                  [{k: v for k, v in (f.metadata() or {}).items() if k.startswith("tied:")}
+                   for f in exported])
+    assert keys[0] == keys[1] and ties[0] == ties[1] and ties[0], (keys, ties)
 
 
 @pytest.mark.slow

@@ -147,6 +147,52 @@ def test_initial_weights_reach_every_rank(
     assert_bitwise(weights(tmp_path / "run"), weights(sources[kind]))
 
 
+def test_a_hugging_face_directory_runs_no_code_of_its_own_and_its_load_is_one_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    pretrained = tmp_path / "tiny-gpt2"
+    GPT2LMHeadModel(GPT2Config(
+        vocab_size=30, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )).save_pretrained(pretrained)
+    job = ["train", "--dataset", "hfplug:sentiment", "--model", f"hf:{pretrained}",
+           "--epochs", "1", "--batch_size", "32", "--no-tensorboard"]
+    # As a sequence classifier: the new head starts fresh, told in one line of ours, not
+    # transformers' multi-line load report
+    capfd.readouterr()
+    assert main([*job, "--output_dir", str(tmp_path / "cls")]) == 0
+    out = capfd.readouterr()
+    assert "LOAD REPORT" not in out.out + out.err
+    assert (f"--model hf:{pretrained}: AutoModelForSequenceClassification starts 1 tensor(s) "
+            "fresh (score.weight)") in out.out + out.err
+    # The run's hf/ carries its shards' checksums: a flipped byte is refused, not trained on
+    exported = tmp_path / "cls" / "hf"
+    shard = exported / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for args in (["--model", f"hf:{exported}"], ["--model", f"hf:{pretrained}", "--init_from",
+                                                 str(exported)]):
+        assert main([*job, *args, "--output_dir", str(tmp_path / "again")]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is damaged: model.safetensors does not match its checksum" \
+            in err[0], err
+    # A directory that brings its own code (auto_map, a model type transformers lacks):
+    # one line, the code never imported, no [y/N] question
+    config = json.loads((pretrained / "config.json").read_text())
+    config.update(model_type="planted", auto_map={"AutoConfig": "planted.PlantedConfig"})
+    (pretrained / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "ran"
+    (pretrained / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    assert main([*job, "--output_dir", str(tmp_path / "planted")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds its own Python code (auto_map in its config.json)" in err[0]
+    assert "add --model_args trust_remote_code=true" in err[0] and not marker.exists(), err
+
+
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_a_hugging_face_directory_fine_tunes_on_two_ranks_and_leaves_hf(tmp_path: Path) -> None:

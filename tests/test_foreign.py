@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddptrain.checkpoint.integrity import file_crc
 from ddptrain.cli import main
+from ddptrain.files import file_crc
 
 
 class _RunsCode:
@@ -68,6 +68,21 @@ def test_a_planted_dcp_metadata_is_refused_and_never_runs(
     assert not marker.exists(), "reading the step directory ran its code"
     assert (ckpt / "step_000000024").is_dir()
     assert main(["export", str(older), str(tmp_path / "m.safetensors")]) == 0
+
+
+def test_a_device_or_fifo_given_as_weights_is_refused_before_it_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """/dev/zero would be read until memory runs out, a FIFO would block for good."""
+    fifo = tmp_path / "weights.safetensors"
+    os.mkfifo(fifo)
+    (tmp_path / "config.yaml").write_text("dataset: digits\n")
+    out = str(tmp_path / "m.safetensors")
+    for args in (["evaluate", "/dev/zero"], ["evaluate", str(fifo)], ["export", "/dev/zero", out],
+                 ["train", "--init_from", str(fifo), "--output_dir", str(tmp_path / "r")],
+                 ["train", "--resume_from", "/dev/zero", "--output_dir", str(tmp_path / "r")]):
+        err = _one_line(capsys, args)
+        assert "is not a regular file (a device, FIFO or socket)" in err, (args, err)
 
 
 def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_untouched(

@@ -171,7 +171,8 @@ def test_a_bit_flipped_in_any_field_is_damage_not_a_silent_resume(
     in a `.pt` or a step directory's `meta.pt`, and the checkpoint is refused."""
     run = tmp_path / "run"
     monkeypatch.setattr("ddptrain.observe.plot.matplotlib_available", lambda: False)
-    assert main(["train", "--dataset", "digits", "--epochs", "1", "--batch_size", "512",
+    assert main(["train", "--dataset", "digits", "--model", "mlp", "--epochs", "1",
+                 "--batch_size", "512",
                  "--no-tensorboard", "--checkpoint_format", fmt,
                  "--output_dir", str(run)]) == 0
     (step,) = sorted((run / "checkpoints").glob("step_*"))
@@ -188,6 +189,28 @@ def test_a_bit_flipped_in_any_field_is_damage_not_a_silent_resume(
         with pytest.raises(CheckpointError, match=r"a field other than the tensors .* does "
                            r"not match its checksum"):
             read_meta(copy, CPU) if fmt == "dcp" else load_checkpoint(copy, CPU, verify=True)
+
+
+def test_a_step_directory_that_lost_a_file_is_skipped_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("ddptrain.observe.plot.matplotlib_available", lambda: False)
+    job = ["train", "--dataset", "digits", "--model", "mlp", "--batch_size", "512",
+           "--no-tensorboard",
+           "--checkpoint_format", "dcp", "--output_dir", str(tmp_path / "run")]
+    assert main([*job, "--epochs", "2"]) == 0
+    newest = max((tmp_path / "run" / "checkpoints").glob("step_*"))
+    for lost, says in ((META, "it lacks meta.pt"), (".metadata", "cannot be read")):
+        if lost == META:
+            (newest / META).unlink()
+        else:
+            os.truncate(newest / ".metadata", 10)
+        capsys.readouterr()
+        assert main([*job, "--epochs", "3", "--resume_from", "auto"]) == 0
+        out = capsys.readouterr()
+        warned = [line for line in (out.out + out.err).splitlines() if "skipping unusable" in line]
+        assert len(warned) == 1 and str(newest) in warned[0] and says in warned[0], warned
+        newest = max((tmp_path / "run" / "checkpoints").glob("step_*"))
 
 
 def _written() -> int:

@@ -114,6 +114,9 @@ def test_plot_overlays_two_runs(run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "curves.png"
     assert main(["plot", str(run_dir), str(other), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # an existing file is replaced only when asked
+    assert main(["plot", str(run_dir), "-o", str(out)]) == 2
+    assert main(["plot", str(run_dir), "-o", str(out), "--overwrite"]) == 0
 
 
 def test_plot_of_a_missing_run_dir_is_one_line_and_exit_2(

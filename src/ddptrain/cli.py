@@ -99,6 +99,7 @@ def _cmd_export(argv: list[str]) -> int:
 
 
 def _cmd_plot(argv: list[str]) -> int:
+    from ddptrain.files import check_output
     from ddptrain.observe.plot import plot_runs
 
     parser = ErrorParser(
@@ -109,8 +110,11 @@ def _cmd_plot(argv: list[str]) -> int:
     parser.add_argument(
         "-o", "--output", type=Path, default=Path("curves.png"), help="PNG file to write"
     )
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the output file if it exists")
     args = parser.parse_args(argv)
-    print(f"wrote {plot_runs(args.run_dirs, args.output)}")
+    check_output(args.output, "--output", args.overwrite)
+    print(f"wrote {plot_runs(args.run_dirs, args.output, args.overwrite)}")
     return 0
 
 

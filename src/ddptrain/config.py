@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -312,10 +313,12 @@ class TrainingConfig:
 
     @property
     def checkpoint_kind(self) -> str:
-        """'file' or 'dcp': what `--checkpoint_format auto` means under this strategy."""
+        """'file' or 'dcp': what `--checkpoint_format auto` means under this strategy and
+        layout (tensor- or pipeline-parallel ranks each write a share: DCP)."""
         if self.checkpoint_format != "auto":
             return self.checkpoint_format
-        return "file" if self.strategy == "ddp" else "dcp"
+        whole = self.strategy == "ddp" and self.tp == 1 and self.pp == 1
+        return "file" if whole else "dcp"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -330,6 +333,10 @@ class TrainingConfig:
             value = getattr(self, name)
             if value < 1:
                 _bad(name, value, "use a whole number of at least 1")
+        for f in dataclasses.fields(self):  # nan compares false with every bound: first
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                _bad(f.name, value, "use a finite number")
         for name in ("num_classes", "in_channels", "image_size"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -67,3 +67,9 @@ class Diverged(TrainingStopped):
     """Too many consecutive optimizer steps had non-finite gradients."""
 
     exit_code = EXIT_DIVERGED
+
+
+def few(items: list[str], n: int = 4) -> str:
+    """The first `n` of `items` for a message, and how many more there are."""
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more

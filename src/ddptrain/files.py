@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import stat
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ddptrain.errors import ConfigError
 
@@ -72,6 +74,18 @@ def publish(tmp: Path, path: Path, overwrite: bool = True) -> None:
     fsync_dir(path.parent)
 
 
+def refuse_special(path: Path, what: str) -> None:
+    """Refuse to read what is not a regular file or a directory (a device such as
+    /dev/zero reads forever, a FIFO blocks until someone writes), before it is opened."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # the reader says what is missing or unreadable
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise ConfigError(f"{what} {str(path)!r} is not a regular file (a device, FIFO or "
+                          "socket): give a file")
+
+
 def check_output(path: Path, flag: str, overwrite: bool) -> None:
     """Refuse, before any work, an output the user did not ask to replace (`--overwrite`),
     one that is not a regular file, or one inside a run directory a live run holds."""
@@ -119,3 +133,75 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], object],
 
 def atomic_write_text(path: Path, text: str, overwrite: bool = True) -> None:
     atomic_write(path, lambda f: f.write(text.encode()), overwrite)
+
+
+# ---------------------------------------------------------------------- checked files
+CHUNK = 64 << 20  # bytes read at a time when a file is checked
+# A directory's checksums of its files ({name: [bytes, crc32]}), beside them: written with
+# an exported Hugging Face directory (`hf/`), checked before its weights are used.
+SUMS_FILE = "ddptrain_checksums.json"
+
+
+def file_crc(path: Path) -> list[int]:
+    """[bytes, crc32] of a file, read once in chunks."""
+    crc, size = 0, 0
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return [size, crc]
+
+
+def files_damage(directory: Path, expected: dict[str, list[int]], names: list[str]) -> str | None:
+    """What is wrong with the files `names` of `directory` against `expected`, or None."""
+    for name in names:
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        want = list(expected[name])
+        if size != want[0]:
+            return f"{name} holds {size} bytes, {want[0]} were written (truncated or grown)"
+        if file_crc(path) != want:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def write_sums(directory: Path, names: list[str]) -> None:
+    """Record the checksums of `directory`'s files `names` in its `SUMS_FILE`."""
+    sums = {name: file_crc(directory / name) for name in sorted(names)}
+    atomic_write_text(directory / SUMS_FILE, json.dumps(sums, indent=1) + "\n")
+
+
+def sums_damage(directory: Path) -> str | None:
+    """What is wrong with `directory`'s files against its `SUMS_FILE`, or None (also for a
+    directory without one: another tool wrote it)."""
+    path = directory / SUMS_FILE
+    if not path.is_file():
+        return None
+    try:
+        expected = json.loads(path.read_text())
+        # Checked once per process while the files stay as they are (a model built on
+        # the meta device and then filled, `--init_from` reading shapes and then weights).
+        key = tuple((n, *_stamp(directory / n)) for n in [SUMS_FILE, *sorted(expected)])
+        if key not in _whole:
+            damage = files_damage(directory, expected, list(expected))
+            if damage is not None:
+                return damage
+            _whole.add(key)
+        return None
+    except (ValueError, TypeError, IndexError, OSError):
+        return f"its {SUMS_FILE} cannot be read"
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (-1, -1, -1)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+_whole: set[tuple[Any, ...]] = set()

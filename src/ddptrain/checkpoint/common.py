@@ -31,8 +31,8 @@ from ddptrain import __version__
 from ddptrain.checkpoint.integrity import checksums, payload_damage
 from ddptrain.checkpoint.schema import FORMAT, FORMAT_VERSION
 from ddptrain.context import DistributedContext
-from ddptrain.errors import EXIT_IO, ConfigError, TrainingStopped
-from ddptrain.files import staged
+from ddptrain.errors import EXIT_IO, ConfigError, TrainingStopped, few
+from ddptrain.files import refuse_special, staged
 from ddptrain.parallel.base import to_cpu
 
 log = logging.getLogger("ddptrain")
@@ -208,6 +208,7 @@ def read_payload(path: Path, device: torch.device, verify: bool = False) -> dict
         st = path.stat()
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist") from None
+    refuse_special(path, "checkpoint")
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     payload = _reads.get(key)
     if payload is None:
@@ -225,10 +226,17 @@ def read_payload(path: Path, device: torch.device, verify: bool = False) -> dict
 
 def _read(path: Path) -> dict[str, Any]:
     try:
-        # Only torch's zip format maps; anything else is read to be refused with its reason.
-        payload = torch.load(
-            path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
+        zipped = zipfile.is_zipfile(path)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read: {exc.strerror}") from None
+    if not zipped:  # ddptrain writes torch's zip format only: nothing else is unpickled
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} cannot be read: it is not a torch zip file (a "
+            "truncated or foreign file; a bare pickle is never loaded, it could run code); "
+            "give a file written by ddptrain (or --resume_from auto)"
         )
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist") from None
     except Exception as exc:
@@ -265,18 +273,13 @@ def check_model_state(model: nn.Module, state: dict[str, torch.Tensor], path: Pa
     ]
     problems = []
     if missing:
-        problems.append(f"missing {_few(missing)}")
+        problems.append(f"missing {few(missing)}")
     if unexpected:
-        problems.append(f"unexpected {_few(unexpected)}")
+        problems.append(f"unexpected {few(unexpected)}")
     if shapes:
-        problems.append(f"shape mismatch (checkpoint vs model) {_few(shapes)}")
+        problems.append(f"shape mismatch (checkpoint vs model) {few(shapes)}")
     if problems:
         raise CheckpointError(
             f"checkpoint {str(path)!r} does not fit this model: {'; '.join(problems)}; "
             "resume with the same --model, --width and dataset it was trained with"
         )
-
-
-def _few(items: list[str], n: int = 4) -> str:
-    more = f" (+{len(items) - n} more)" if len(items) > n else ""
-    return ", ".join(items[:n]) + more

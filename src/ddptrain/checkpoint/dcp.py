@@ -61,9 +61,9 @@ from ddptrain.checkpoint.common import (
     read_payload,
     stamped,
 )
-from ddptrain.checkpoint.integrity import file_crc, files_damage, share
+from ddptrain.checkpoint.integrity import share
 from ddptrain.context import DistributedContext
-from ddptrain.files import atomic_write_text, fsync_dir
+from ddptrain.files import atomic_write_text, file_crc, files_damage, fsync_dir
 
 META = "meta.pt"
 LATEST_DIR = "latest"
@@ -180,9 +180,11 @@ def is_whole(path: Path) -> bool:
 def read_meta(path: Path, device: torch.device) -> dict[str, Any]:
     """A step directory's `meta.pt` (all but the sharded state), once the directory is whole."""
     if not is_whole(path):
+        lacks = " and ".join(n for n in (".metadata", META) if not (path / n).is_file())
         raise CheckpointError(
-            f"checkpoint {str(path)!r} is not a whole DCP step directory (its save did "
-            "not finish): give a step_XXXXXXXXX directory, or --resume_from auto"
+            f"checkpoint {str(path)!r} is not a whole DCP step directory (it lacks {lacks}: "
+            "its save did not finish, or a file was removed): give a step_XXXXXXXXX "
+            "directory, or --resume_from auto"
         )
     check_metadata(path)  # before anything loads: a planted one is refused, not run
     return read_payload(path / META, device, verify=True)
@@ -208,12 +210,13 @@ def check_shards(path: Path, meta: dict[str, Any], ctx: DistributedContext) -> N
         raise damaged(path, damage)
 
 
-def list_step_dirs(directory: Path) -> list[Path]:
-    """Whole step directories in `directory`, newest first."""
+def list_step_dirs(directory: Path, whole: bool = True) -> list[Path]:
+    """Whole step directories in `directory`, newest first; with `whole=False` also those
+    that lost a file since (a save renames its directory into place only once whole)."""
     if not directory.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _DIR.match(p.name))]
-    return [p for _, p in sorted(found, reverse=True) if is_whole(p)]
+    return [p for _, p in sorted(found, reverse=True) if p.is_dir() and (not whole or is_whole(p))]
 
 
 class ShardedCheckpointer:

@@ -16,7 +16,7 @@ from ddptrain.checkpoint.common import CheckpointError
 from ddptrain.checkpoint.integrity import safetensors_damage, safetensors_sums
 from ddptrain.checkpoint.manager import load_checkpoint
 from ddptrain.context import DistributedContext
-from ddptrain.files import check_output, fsync_dir, staged
+from ddptrain.files import check_output, fsync_dir, refuse_special, staged, write_sums
 
 
 def export_safetensors_state(state: dict[str, torch.Tensor], out: Path,
@@ -78,6 +78,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
     file, is refused with one line."""
     from safetensors import SafetensorError, safe_open
 
+    refuse_special(path, "weights file")
     try:
         with safe_open(str(path), framework="pt") as f:
             state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
@@ -136,6 +137,8 @@ def export_hf_dir(
             for file in source.glob(pattern):
                 if file.is_file() and not (partial / file.name).exists():
                     shutil.copy2(file, partial / file.name)
+    # its weight shards' checksums, checked before `hf:DIR` or `--init_from DIR` uses them
+    write_sums(partial, [p.name for p in partial.glob("*.safetensors")])
     if out.exists():
         shutil.rmtree(out)
     os.replace(partial, out)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from ddptrain.checkpoint.common import CheckpointError, _few, read_payload
+from ddptrain.checkpoint.common import CheckpointError, read_payload
 from ddptrain.checkpoint.dcp import (
     META,
     check_metadata,
@@ -37,6 +37,8 @@ from ddptrain.checkpoint.dcp import (
 )
 from ddptrain.checkpoint.export import read_safetensors
 from ddptrain.context import DistributedContext
+from ddptrain.errors import few
+from ddptrain.files import refuse_special, sums_damage
 
 log = logging.getLogger("ddptrain")
 
@@ -62,18 +64,23 @@ class Fit:
     def describe(self) -> str:
         parts = []
         if self.missing:
-            parts.append(f"{len(self.missing)} missing: {_few(self.missing)}")
+            parts.append(f"{len(self.missing)} missing: {few(self.missing)}")
         if self.unexpected:
-            parts.append(f"{len(self.unexpected)} unexpected: {_few(self.unexpected)}")
+            parts.append(f"{len(self.unexpected)} unexpected: {few(self.unexpected)}")
         if self.mismatched:
             parts.append(f"{len(self.mismatched)} of another shape (weights vs model): "
-                         f"{_few(self.mismatched)}")
+                         f"{few(self.mismatched)}")
         return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------- reading
 def _weights_file(path: Path) -> Path:
-    """The safetensors file (or shard index) of a run or Hugging Face directory."""
+    """The safetensors file (or shard index) of a run or Hugging Face directory, whose
+    files are checked first against the checksums ddptrain exported with them."""
+    damage = sums_damage(path)
+    if damage is not None:
+        raise CheckpointError(f"--init_from {str(path)!r} is damaged: {damage}: export it "
+                              "again, or give another directory")
     for name in (WEIGHTS, SHARDED):
         if (path / name).is_file():
             return path / name
@@ -114,6 +121,7 @@ def _safetensors_shapes(path: Path) -> tuple[Shapes, dict[str, str]]:
     shapes: Shapes = {}
     ties: dict[str, str] = {}
     for file in _safetensors_files(path):
+        refuse_special(file, "--init_from")
         try:
             with safe_open(str(file), "pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)

@@ -20,12 +20,9 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-
-CHUNK = 64 << 20  # bytes read at a time when a file is checked
 
 
 def tensor_crc(tensor: torch.Tensor) -> list[int]:
@@ -129,33 +126,6 @@ def safetensors_damage(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     return None
 
 
-def file_crc(path: Path) -> list[int]:
-    """[bytes, crc32] of a file, read once in chunks."""
-    crc, size = 0, 0
-    buffer = bytearray(CHUNK)
-    view = memoryview(buffer)
-    with path.open("rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
-    return [size, crc]
-
-
 def share(names: Sequence[str], rank: int, world_size: int) -> list[str]:
     """The files one rank checks: every `world_size`-th of the sorted names."""
     return sorted(names)[rank::world_size]
-
-
-def files_damage(directory: Path, expected: dict[str, list[int]], names: list[str]) -> str | None:
-    """What is wrong with the files `names` of `directory` against `expected`, or None."""
-    for name in names:
-        path = directory / name
-        if not path.is_file():
-            return f"{name} is missing"
-        size = path.stat().st_size
-        want = list(expected[name])
-        if size != want[0]:
-            return f"{name} holds {size} bytes, {want[0]} were written (truncated or grown)"
-        if file_crc(path) != want:
-            return f"{name} does not match its checksum"
-    return None

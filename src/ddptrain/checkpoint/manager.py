@@ -64,7 +64,10 @@ def find_resumable(
     with `verify` files whose tensors fail their checksums, are skipped with a warning, as
     are the paths in `skip`. None when there is none (a fresh start)."""
     best: tuple[Path, dict[str, Any]] | None = None
-    kinds = ([directory / LATEST], list_checkpoints(directory), list_step_dirs(directory))
+    # A step directory missing a file is damaged (it was renamed into place whole): its
+    # warning says so, like any other damage.
+    kinds = ([directory / LATEST], list_checkpoints(directory),
+             list_step_dirs(directory, whole=False))
     skip = list(skip)  # and the files refused, whatever other name they have (latest.pt)
     for candidates in kinds:
         for path in candidates:
@@ -76,13 +79,24 @@ def find_resumable(
             try:
                 payload = load_checkpoint(path, device, verify)
             except CheckpointError as exc:
-                log.warning("skipping unusable checkpoint: %s", exc)
+                _skipping(exc)
                 skip.append(path)
                 continue
             if best is None or payload["step"] > best[1]["step"]:
                 best = (path, payload)
             break  # newest first: the first whole one is the newest of its kind
     return best
+
+
+def _skipping(error: CheckpointError) -> None:
+    """Warn of an unusable checkpoint once per start, however often it is looked for
+    (the run directory's claim and the resume each look); `Checkpointer.load` forgets."""
+    if str(error) not in _skipped:
+        _skipped.add(str(error))
+        log.warning("skipping unusable checkpoint: %s", error)
+
+
+_skipped: set[str] = set()
 
 
 def whole_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -121,7 +135,7 @@ def locate_resume(
         error = damaged(found[0], damage)
         if source != "auto":
             raise error
-        log.warning("skipping unusable checkpoint: %s", error)
+        _skipping(error)
         skip.append(found[0])
 
 
@@ -248,3 +262,4 @@ class Checkpointer:
                 full=True,
             )
         forget_reads()
+        _skipped.clear()

@@ -67,6 +67,14 @@ def _int_env(env: Mapping[str, str], name: str, fix: str) -> int:
         raise ConfigError(f"you set {name}={raw!r}, which is not a whole number: {fix}") from None
 
 
+def _port_env(env: Mapping[str, str], name: str = "MASTER_PORT") -> int:
+    port = _int_env(env, name, "give a TCP port number")
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"you set {name}={port}, which is not a TCP port: give one in "
+                          "1..65535 (torchrun --standalone picks a free one)")
+    return port
+
+
 def read_cluster_env(env: Mapping[str, str] | None = None) -> ClusterEnv:
     """Detect the launcher from the environment; refuse half-set or inconsistent identities."""
     env = os.environ if env is None else env
@@ -116,7 +124,7 @@ def _from_torchrun(env: Mapping[str, str]) -> ClusterEnv:
                     f"WORLD_SIZE={world_size} but {var} is not set: launch with torchrun, "
                     "which sets it, or export MASTER_ADDR and MASTER_PORT"
                 )
-    port = _int_env(env, "MASTER_PORT", "give a TCP port number") if world_size > 1 else None
+    port = _port_env(env) if world_size > 1 else None
     # torchrun says how many ranks share this host; set by hand, assume all of them
     local = _int_env(env, "LOCAL_WORLD_SIZE", fix) if "LOCAL_WORLD_SIZE" in env else world_size
     return ClusterEnv(
@@ -154,7 +162,7 @@ def _direct(env: Mapping[str, str]) -> ClusterEnv:
                     f"per pod) but {var} is not set: export MASTER_ADDR and MASTER_PORT (rank "
                     "0's pod address and a free port), or launch with torchrun"
                 )
-        port = _int_env(env, "MASTER_PORT", "give a TCP port number")
+        port = _port_env(env)
     source = "volcano" if any(v in env for v in _VOLCANO_MARKERS) else "direct"
     return ClusterEnv(rank, 0, world_size, source, env.get("MASTER_ADDR"), port)
 
@@ -193,7 +201,7 @@ def _from_slurm(env: Mapping[str, str]) -> ClusterEnv:
             "(SLURM_STEP_NODELIST / SLURM_NODELIST): export MASTER_ADDR=<first node's address>"
         )
     if "MASTER_PORT" in env:
-        port = _int_env(env, "MASTER_PORT", "give a TCP port number")
+        port = _port_env(env)
     else:
         # Every task computes the same port from the job id, with no communication.
         job = _int_env(env, "SLURM_JOB_ID", fix)

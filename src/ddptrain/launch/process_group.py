@@ -13,6 +13,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import socket
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -75,6 +77,7 @@ def setup_distributed(
         abort_hung_collectives()
     try:
         with exit_at_once_on_signals(cluster.rank):  # the rendezvous blocks in C++
+            _wait_for_the_master_name(config.timeout_s)
             dist.init_process_group(
                 backend=backend,
                 store=_attempt_store(cluster, config.timeout_s),
@@ -124,6 +127,28 @@ def abort_hung_collectives(environ: dict[str, str] | None = None) -> None:
     env: Any = os.environ if environ is None else environ
     if env.get(ASYNC_ERROR_HANDLING, "1") == "1" and "NCCL_ASYNC_ERROR_HANDLING" not in env:
         env[ASYNC_ERROR_HANDLING] = "2"
+
+
+def _wait_for_the_master_name(timeout_s: float) -> None:
+    """Wait, quietly, until MASTER_ADDR resolves (a Kubernetes Service's name appears once
+    its pod runs); one line after `timeout_s` if it never does. c10d would retry the name
+    itself, with a warning line each second before any error of ours."""
+    addr = os.environ.get("MASTER_ADDR")
+    if not addr:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.getaddrinfo(addr, None)
+            return
+        except (socket.gaierror, UnicodeError):
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"MASTER_ADDR={addr} does not resolve to an address (waited "
+                    f"{timeout_s:g}s): check the host name, or raise --timeout_s while the "
+                    "master's host (a Kubernetes Service: its pod) comes up"
+                ) from None
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 def _attempt_store(cluster: ClusterEnv, timeout_s: float) -> dist.Store | None:

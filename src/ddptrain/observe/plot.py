@@ -70,8 +70,9 @@ def _series(rows: list[dict[str, Any]], split: str, field: str) -> tuple[list[in
     return [int(r["step"]) for r in picked], [float(r[field]) for r in picked]
 
 
-def plot_runs(run_dirs: list[Path], out: Path) -> Path:
-    """Draw every run's curves into one figure of four panels and save it as `out`."""
+def plot_runs(run_dirs: list[Path], out: Path, overwrite: bool = True) -> Path:
+    """Draw every run's curves into one figure of four panels and save it as `out` (an
+    existing `out` replaced only with `overwrite`)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed, none opened
@@ -104,7 +105,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
             ax.legend(fontsize="small")
     from ddptrain.files import staged
 
-    with staged(out) as tmp:  # readers never see a half-drawn file
+    with staged(out, overwrite) as tmp:  # readers never see a half-drawn file
         fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     return out
@@ -124,8 +125,8 @@ def draw_in_background(run_dir: Path, out: Path) -> None:
     """Start drawing `run_dir`'s curves into `out` in a child process: matplotlib's
     imports and the rendering (about a second on a small CPU) overlap with what this
     process does next. `wait_for_drawings` collects it."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddptrain", "plot", str(run_dir), "-o", str(out)],
+    proc = subprocess.Popen(  # the run's own file, in the directory it holds: `_draw`
+        [sys.executable, "-m", "ddptrain.observe.plot", str(run_dir), str(out)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     _drawing.append((proc, out))
@@ -147,3 +148,18 @@ def wait_for_drawings(timeout_s: float = 120.0) -> None:
             log.warning("curves: %s was not drawn (%s)", out, lines[-1][:200])
         else:
             log.info("curves %s", out)
+
+
+def _draw(argv: list[str]) -> int:
+    """`python -m ddptrain.observe.plot RUN_DIR OUT`: a run's own curves, drawn for the
+    run that holds `RUN_DIR` (`draw_in_background`); a failure is one line on stderr."""
+    try:
+        plot_runs([Path(argv[0])], Path(argv[1]))
+    except ConfigError as exc:
+        print(f"ddptrain: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_draw(sys.argv[1:]))

@@ -49,6 +49,12 @@ def freeze(module: nn.Module, patterns: list[str]) -> int:
     named = list(module.named_parameters(remove_duplicate=False))
     hits = {n for names in matches([n for n, _ in named], patterns, "freeze").values()
             for n in names}
+    if all(name in hits for name, _ in named):
+        raise ConfigError(
+            f"--freeze {' '.join(patterns)} freezes every parameter: nothing would train; "
+            "leave some out of the patterns (to evaluate the weights as they are: "
+            "ddptrain evaluate, or --lr 0)"
+        )
     frozen: dict[int, nn.Parameter] = {}
     for name, p in named:
         if name in hits:

@@ -91,6 +91,7 @@ class Pipeline(FSDP):
         # under the name its own modules give it.
         first = {id(p): name for name, p in module.named_parameters()}
         whole = _tensors_by_identity(module)  # on meta: what the template will fill
+        self._ties = [names for names, _ in whole if len(names) > 1]  # for `model_state`
         _keep_only(module, views)
         # Autocast alone sets the compute precision, as in plain training: FSDP keeps its
         # gathered parameters in fp32 (a stage's micro-batches then round as one batch).
@@ -289,6 +290,13 @@ class Pipeline(FSDP):
         whole: State = {}
         for part in parts:
             whole.update(part)
+        # A tied tensor (the embedding and the head) was a copy on each of its stages, kept
+        # equal: one tensor under all of its names again, as other layouts export it.
+        for names in self._ties:
+            held = [n for n in names if n in whole]
+            for name in held[1:]:
+                if torch.equal(whole[name], whole[held[0]]):
+                    whole[name] = whole[held[0]]
         return whole
 
 

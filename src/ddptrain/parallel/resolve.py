@@ -134,7 +134,7 @@ def resolve_strategy(
         )
     # An n-D layout shards parameters into DTensors: its checkpoints are DCP directories.
     cls = TensorParallel if layout.tp > 1 else Pipeline if layout.pp > 1 else FSDP
-    kind = "dcp" if config.checkpoint_format == "auto" else config.checkpoint_format
+    kind = config.checkpoint_kind
     if layout.pp > 1 and kind == "file":
         raise ConfigError(
             f"--checkpoint_format file under --pp {layout.pp}: no rank holds the whole "

@@ -20,6 +20,8 @@ all (a temporary name, renamed once every row is in).
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import json
 import math
 import os
@@ -156,13 +158,31 @@ def _why(exc: BaseException, output: Path) -> str:
     return str(exc)
 
 
+def _remove_abandoned(path: Path) -> None:
+    """Remove the temporary files of earlier predictions into `path` that were killed
+    mid-way: a writer holds an flock on its own while it lives (the kernel drops it when
+    the writer dies), so one nobody holds is abandoned."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        try:
+            with tmp.open("rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live prediction writes it
+        tmp.unlink(missing_ok=True)
+        tmp.with_name(tmp.name + ".npy").unlink(missing_ok=True)  # a .pt writer's rows
+
+
 class _Writer:
-    """Rows appended to a temporary file beside `path`, renamed to it by `close`."""
+    """Rows appended to a temporary file beside `path`, renamed to it by `close`; the
+    temporary file is locked while this process writes it (`_remove_abandoned`)."""
 
     def __init__(self, path: Path, n: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(path)
         self.path, self.n, self.tmp, self.done = path, n, temp_name(path), 0
         self.overwrite = False
+        self._held = self.tmp.open("ab")  # the writers reopen the same file (same lock)
+        fcntl.flock(self._held, fcntl.LOCK_EX)
 
     def write(self, rows: torch.Tensor) -> None:
         raise NotImplementedError
@@ -177,10 +197,12 @@ class _Writer:
         with self.tmp.open("rb+") as f:
             os.fsync(f.fileno())
         publish(self.tmp, self.path, self.overwrite)
+        self._held.close()
 
     def abort(self) -> None:
         self.finish()
         self.tmp.unlink(missing_ok=True)
+        self._held.close()
 
 
 class _NpyWriter(_Writer):
