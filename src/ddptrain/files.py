@@ -1,9 +1,13 @@
-"""Files that readers see whole or not at all.
+"""Files that readers see whole or not at all, outputs that replace nothing unasked, and
+files checked before they are trusted.
 
 Every file ddptrain writes into a run directory (checkpoints, config.yaml, summary.json,
 metrics.jsonl when it is rewritten on resume, model.safetensors) goes through
 `atomic_write`: a temporary name beside the target, fsync, rename into place, fsync of the
-directory. A crash leaves the old file or the new one, never a torn one.
+directory. A crash leaves the old file or the new one, never a torn one. A user's output
+(`predict`, `evaluate`, `export`, `plot`) is checked first (`check_output`) and linked into
+place without replacing a file (`publish`); devices and FIFOs are never read as weights
+(`refuse_special`); a directory's files can carry their checksums (`SUMS_FILE`).
 """
 
 from __future__ import annotations
@@ -56,18 +60,18 @@ def publish(tmp: Path, path: Path, overwrite: bool = True) -> None:
     """Move the written `tmp` to `path` atomically. Without `overwrite`, a file that
     appeared at `path` meanwhile is kept and the move refused (a hard link fails where a
     name exists; a filesystem without links gets a check just before the rename)."""
+    appeared = ConfigError(f"{str(path)!r} appeared while it was written: it was left as "
+                           "it is; give another name, or --overwrite")
     if overwrite:
         os.replace(tmp, path)
     else:
         try:
             os.link(tmp, path)
         except FileExistsError:
-            raise ConfigError(f"{str(path)!r} appeared while it was written: it was "
-                              "left as it is; give another name, or --overwrite") from None
+            raise appeared from None
         except OSError:  # no hard links here
             if os.path.lexists(path):
-                raise ConfigError(f"{str(path)!r} appeared while it was written: it was "
-                                  "left as it is; give another name, or --overwrite") from None
+                raise appeared from None
             os.replace(tmp, path)
         else:
             tmp.unlink()
