@@ -122,7 +122,7 @@ def _after_args(argv: list[str], prog: str, what: str, output_help: str) -> tupl
     """`SOURCE [--split] [--output] [ddptrain train flags]`: the source first, then this
     command's own flags; every other flag overrides the run's config."""
     parser = ErrorParser(
-        prog=prog, allow_abbrev=False,
+        prog=prog,
         description=f"{what} Any `ddptrain train` flag (e.g. --dataset, --batch_size) "
         "overrides the run's config.yaml.",
     )

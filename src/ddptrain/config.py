@@ -486,7 +486,12 @@ def _bad(name: str, value: Any, fix: str) -> NoReturn:
 
 # ---------------------------------------------------------------------- CLI generation
 class ErrorParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one `ddptrain: error:` line, exit code 2."""
+    """argparse that reports a bad flag as one `ddptrain: error:` line, exit code 2, and
+    takes every flag spelled in full: an abbreviation (`--ep 2` for `--epochs 2`) would
+    change meaning the day a flag that shares its prefix is added."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(message)

@@ -62,7 +62,7 @@ class RayFailed(Exception):
 
 def ray_parser() -> argparse.ArgumentParser:
     parser = ErrorParser(
-        prog="ddptrain ray", allow_abbrev=False,
+        prog="ddptrain ray",
         description="Train in N Ray Train workers; the other flags are ddptrain train's "
         "(ddptrain train --help). RAY_ADDRESS names a running cluster; without it a local "
         "one starts.",

@@ -64,6 +64,13 @@ def create_model(
         if not isinstance(model, nn.Module):
             raise ConfigError(f"--model {name!r} returned {type(model).__name__}, not nn.Module")
     else:
+        if config.model_args:
+            given = " ".join(f"{k}={v}" for k, v in config.model_args.items())
+            raise ConfigError(
+                f"--model {name} takes no --model_args (given: {given}): a built-in model's "
+                "size is --width (and --block_size); --model_args are for a module:fn or "
+                "hf:DIR model"
+            )
         model = _builtin(name, config, data, _outputs(name, outputs))
     if config.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
