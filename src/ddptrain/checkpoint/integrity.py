@@ -83,10 +83,14 @@ def payload_damage(payload: dict[str, Any]) -> str | None:
         if [len(text), zlib.crc32(text)] != list(fields):
             return ("a field other than the tensors (progress, schedule, RNG state or "
                     "config) does not match its checksum")
-    found = dict(tensors_in(body))
+    tensors = {k: v for k, v in expected.items() if k != FIELDS}
+    return _tensors_damage(dict(tensors_in(body)), tensors)
+
+
+def _tensors_damage(found: dict[str, torch.Tensor], expected: dict[str, Any]) -> str | None:
+    """The first tensor of `expected` ({path: [bytes, crc]}) missing from `found` or not
+    matching its checksum, or None."""
     for path, want in expected.items():
-        if path == FIELDS:
-            continue
         tensor = found.get(path)
         if tensor is None:
             return f"tensor {path} is missing"
@@ -101,11 +105,8 @@ SAFETENSORS_SUMS = "ddptrain:checksums"
 
 def safetensors_sums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """The metadata entry that carries the checksum of each tensor of a safetensors file."""
-    return {SAFETENSORS_SUMS: json.dumps(checksums_of_tensors(tensors), separators=(",", ":"))}
-
-
-def checksums_of_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, list[int]]:
-    return {name: tensor_crc(tensor) for name, tensor in tensors.items()}
+    sums = {name: tensor_crc(tensor) for name, tensor in tensors.items()}
+    return {SAFETENSORS_SUMS: json.dumps(sums, separators=(",", ":"))}
 
 
 def safetensors_damage(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str | None:
@@ -120,10 +121,7 @@ def safetensors_damage(tensors: dict[str, torch.Tensor], metadata: dict[str, str
         return "its checksums cannot be read"
     if not isinstance(expected, dict) or set(expected) != set(tensors):
         return "its tensors are not those its checksums list"
-    for name, tensor in tensors.items():
-        if tensor_crc(tensor) != expected[name]:
-            return f"tensor {name} does not match its checksum"
-    return None
+    return _tensors_damage(tensors, expected)
 
 
 def share(names: Sequence[str], rank: int, world_size: int) -> list[str]:

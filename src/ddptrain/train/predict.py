@@ -176,11 +176,11 @@ class _Writer:
     """Rows appended to a temporary file beside `path`, renamed to it by `close`; the
     temporary file is locked while this process writes it (`_remove_abandoned`)."""
 
-    def __init__(self, path: Path, n: int) -> None:
+    def __init__(self, path: Path, n: int, overwrite: bool) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         _remove_abandoned(path)
         self.path, self.n, self.tmp, self.done = path, n, temp_name(path), 0
-        self.overwrite = False
+        self.overwrite = overwrite
         self._held = self.tmp.open("ab")  # the writers reopen the same file (same lock)
         fcntl.flock(self._held, fcntl.LOCK_EX)
 
@@ -208,8 +208,8 @@ class _Writer:
 class _NpyWriter(_Writer):
     """An `(N, *row)` array in a memory-mapped `.npy` file, filled as rows arrive."""
 
-    def __init__(self, path: Path, n: int) -> None:
-        super().__init__(path, n)
+    def __init__(self, path: Path, n: int, overwrite: bool) -> None:
+        super().__init__(path, n, overwrite)
         self.array: np.memmap | None = None
 
     def write(self, rows: torch.Tensor) -> None:
@@ -234,8 +234,8 @@ class _NpyWriter(_Writer):
 class _PtWriter(_NpyWriter):
     """The `.npy` memory map, saved as one tensor: `torch.save` reads it from the map."""
 
-    def __init__(self, path: Path, n: int) -> None:
-        super().__init__(path, n)
+    def __init__(self, path: Path, n: int, overwrite: bool) -> None:
+        super().__init__(path, n, overwrite)
         self.rows_file = self.tmp.with_name(self.tmp.name + ".npy")
         self.tmp, self.pt_tmp = self.rows_file, self.tmp
 
@@ -258,8 +258,8 @@ class _PtWriter(_NpyWriter):
 class _JsonlWriter(_Writer):
     """One JSON line per sample, its index and its output (rows of any shape)."""
 
-    def __init__(self, path: Path, n: int) -> None:
-        super().__init__(path, n)
+    def __init__(self, path: Path, n: int, overwrite: bool) -> None:
+        super().__init__(path, n, overwrite)
         self.file: TextIO | None = self.tmp.open("w")
 
     def write(self, rows: torch.Tensor) -> None:
@@ -277,6 +277,4 @@ class _JsonlWriter(_Writer):
 
 def _writer(path: Path, n: int, overwrite: bool) -> _Writer:
     kinds = {".npy": _NpyWriter, ".pt": _PtWriter, ".jsonl": _JsonlWriter}
-    writer = kinds[path.suffix](path, n)
-    writer.overwrite = overwrite
-    return writer
+    return kinds[path.suffix](path, n, overwrite)
