@@ -76,7 +76,16 @@ BENCH_VENV  := .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed-0.1
 PIP_FLAGS   := --quiet --disable-pip-version-check
 
-.PHONY: bench bench-setup
+.PHONY: bench bench-setup gpu-check
+
+# On a machine with CUDA (under 10 minutes on one H100/H200): every training path that fits
+# one GPU checked against a CPU reference, the CUDA-only tests, and a ~1.1B Llama-style
+# model's tokens/s, MFU and peak memory (bench/gpu_check.py). It runs under this venv's
+# python when there is one, else under the machine's python3 and its torch; without CUDA it
+# says so and exits 0. `python bench/gpu_check.py --report_only runs/gpu-check/gpu_check.json`
+# writes the GPU section of docs/BENCHMARKS.md from its figures.
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bench/gpu_check.py --out runs/gpu-check
 
 bench-setup: $(BENCH_STAMP)
 

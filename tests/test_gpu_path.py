@@ -344,3 +344,71 @@ def test_nccl_aborts_a_hung_collective_instead_of_killing_the_process(
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize(
+    ("visible", "local_rank", "want"),
+    [(1, 5, "cuda:0"), (8, 5, "cuda:5"), (8, 0, "cuda:0"), (2, 3, None)],
+)
+def test_each_rank_takes_its_own_visible_device(
+    monkeypatch: pytest.MonkeyPatch, visible: int, local_rank: int, want: str | None
+) -> None:
+    """One device visible per task (Slurm --gpus-per-task=1): every rank is cuda:0. All
+    of a node's devices visible: rank i is cuda:i. Between, the count does not fit."""
+    from ddptrain.errors import ConfigError
+    from ddptrain.launch.process_group import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    config = TrainingConfig(output_dir="unused")
+    if want is None:
+        with pytest.raises(ConfigError, match="LOCAL_RANK=3 but this process sees 2 CUDA"):
+            resolve_device(config, local_rank, 8)
+    else:
+        assert str(resolve_device(config, local_rank, 8)) == want
+
+
+@pytest.mark.parametrize(("backend", "bound"), [("nccl", True), ("gloo", False)])
+def test_only_nccl_is_bound_to_the_device(
+    monkeypatch: pytest.MonkeyPatch, backend: str, bound: bool
+) -> None:
+    """A process group bound to a CUDA device makes DeviceMesh split it, deep-copying the
+    backend's options: gloo's cannot be copied (tp and pp over gloo on a GPU failed so), so
+    only NCCL is bound."""
+    import torch.distributed as dist
+
+    from ddptrain.launch import process_group
+    from ddptrain.launch.cluster import ClusterEnv
+
+    seen: dict[str, Any] = {}
+
+    def record(**kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise SystemExit(0)  # the call is all this test needs
+
+    monkeypatch.setattr(dist, "init_process_group", record)
+    monkeypatch.setattr(process_group, "_attempt_store", lambda *a: None)
+    monkeypatch.setattr(process_group, "abort_hung_collectives", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    cluster = ClusterEnv(rank=0, local_rank=0, world_size=2, source="torchrun",
+                         master_addr="127.0.0.1", master_port=29500)
+    with pytest.raises(SystemExit):
+        process_group.setup_distributed(TrainingConfig(output_dir="unused"), cluster,
+                                        torch.device("cuda", 0), backend)
+    assert (seen["device_id"] is not None) == bound
+
+
+def test_mfu_counts_a_hugging_face_models_flops() -> None:
+    """A Hugging Face model returns a ModelOutput, not a tensor: its FLOPs are counted from
+    the logits (the 1.1B Llama of `make gpu-check` failed on its first MFU row before)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ddptrain.observe.flops import count_flops
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    model = LlamaForCausalLM(config)
+    flops = count_flops(model, torch.zeros(2, 8, dtype=torch.long))
+    # forward and backward: at least 6 FLOPs per parameter per token of the matmuls
+    matmul_params = sum(p.numel() for n, p in model.named_parameters() if "proj" in n)
+    assert flops >= 6 * matmul_params * 16

@@ -124,7 +124,7 @@ def resolve_run(
     setup_logging(cluster.rank)
     config = resolve_layout(config, cluster.world_size)
     config = _goes_on(config, cluster.rank)
-    device = resolve_device(config, cluster.local_rank)
+    device = resolve_device(config, cluster.local_rank, cluster.local_world_size)
     backend = resolve_backend(config, device) if cluster.world_size > 1 else None
     precision = resolve_precision(config, device)
     strategy = resolve_strategy(config, cluster.world_size, device, cluster.local_world_size)

@@ -251,7 +251,7 @@ def main(argv: list[str]) -> int:
 
     cluster = read_cluster_env()
     config = TrainingConfig(device=args.device, backend=args.backend, timeout_s=args.timeout_s)
-    device = resolve_device(config, cluster.local_rank)
+    device = resolve_device(config, cluster.local_rank, cluster.local_world_size)
     iface = choose_interface(os.environ, cluster.master_addr)
     me = Identity(socket.gethostname(), iface.address, os.getpid(), cluster.rank,
                   cluster.local_rank, str(device))

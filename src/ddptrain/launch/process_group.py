@@ -29,17 +29,27 @@ from ddptrain.launch.signals import exit_at_once_on_signals
 log = logging.getLogger("ddptrain")
 
 
-def resolve_device(config: TrainingConfig, local_rank: int) -> torch.device:
+def resolve_device(
+    config: TrainingConfig, local_rank: int, local_world_size: int = 1
+) -> torch.device:
+    """This rank's device. With as many visible CUDA devices as ranks on the node (or more),
+    rank i takes `cuda:i`; with one visible device (Slurm's `--gpus-per-task=1`, device
+    plugins that give each process its own GPU through CUDA_VISIBLE_DEVICES) every rank
+    takes `cuda:0`, its own. Between the two the count does not fit: one line."""
     cuda = torch.cuda.is_available()
     if config.device == "cuda" and not cuda:
         raise ConfigError("--device 'cuda' is invalid: no CUDA device is visible; use --device cpu")
     if config.device == "cpu" or not cuda:
         return torch.device("cpu")
     count = torch.cuda.device_count()
+    if count == 1:
+        return torch.device("cuda", 0)
     if local_rank >= count:
         raise ConfigError(
-            f"LOCAL_RANK={local_rank} but this node has {count} CUDA device(s): "
-            f"start at most {count} processes per node (--nproc_per_node)"
+            f"LOCAL_RANK={local_rank} but this process sees {count} CUDA devices "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}) for "
+            f"{local_world_size} ranks on this node: start at most {count} processes per node "
+            "(--nproc_per_node), or give each process one device"
         )
     return torch.device("cuda", local_rank)
 
@@ -64,7 +74,7 @@ def setup_distributed(
     `device` and `backend` come resolved from `ddptrain.fit`; left out, they are resolved
     here."""
     cluster = cluster or read_cluster_env()
-    device = device or resolve_device(config, cluster.local_rank)
+    device = device or resolve_device(config, cluster.local_rank, cluster.local_world_size)
     backend = backend or resolve_backend(config, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -85,8 +95,10 @@ def setup_distributed(
                 world_size=cluster.world_size,
                 timeout=timedelta(seconds=config.timeout_s),
                 # Binding NCCL to the device up front makes its first collective eager
-                # and avoids a guess at the device from the rank.
-                device_id=device if device.type == "cuda" else None,
+                # and avoids a guess at the device from the rank. Gloo is never bound:
+                # bound, DeviceMesh splits its groups by deep-copying gloo's options,
+                # which cannot be copied (tp/pp over gloo on CUDA failed so).
+                device_id=device if backend == "nccl" else None,
             )
     except (dist.DistError, RuntimeError) as exc:
         raise ConfigError(_rendezvous_advice(exc, cluster, config.timeout_s)) from None

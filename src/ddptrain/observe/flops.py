@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ddptrain.context import DistributedContext
+from ddptrain.data.batch import parse_output
 
 # Dense peak FLOP/s per GPU from the vendors' datasheets: (name fragment, fp32, fp16/bf16
 # tensor cores). Matched in order against `torch.cuda.get_device_name`, so the more
@@ -73,7 +74,10 @@ def count_flops(model: nn.Module, batch: torch.Tensor) -> float:
     shadow.train()
     counter = FlopCounterMode(display=False)
     with counter:
-        shadow(torch.empty_like(batch, device="meta")).float().sum().backward()
+        out = parse_output(shadow(torch.empty_like(batch, device="meta")))  # a HF model's too
+        result = out.prediction if out.prediction is not None else out.loss
+        assert result is not None  # parse_output refuses an output with neither
+        result.float().sum().backward()
     return float(counter.get_total_flops())
 
 
