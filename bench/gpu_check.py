@@ -11,8 +11,9 @@ one that fails or hangs is recorded and the rest still run:
    the GPU under each path: plain fp32, zero and fsdp on one rank, activation
    checkpointing, torch.compile, and on 2 ranks sharing the GPU (gloo: NCCL takes one GPU
    per rank) ddp, tp 2 and pp 2. Each run's final weights (model.safetensors) are compared
-   with the CPU run's: fp32 paths must agree within `FP32_TOL`. bf16 and fp16 autocast
-   runs must end within `AMP_LOSS_TOL` of the fp32 validation loss. A 2-rank NCCL run is
+   with the CPU run's: fp32 paths (IEEE float32, `--tf32 off`) must agree within
+   `FP32_TOL`. TF32, bf16 and fp16 autocast runs must end within `AMP_LOSS_TOL` of the fp32
+   validation loss. A 2-rank NCCL run is
    recorded as what NCCL says of two ranks on one GPU.
 2. The CUDA-only tests (`tests/test_precision.py`).
 3. Throughput: a Llama-style model of about 1.1B parameters (22 layers, width 2048, GQA
@@ -65,6 +66,7 @@ CHECKS: dict[str, tuple[int, list[str], str]] = {
     "zero": (1, ["--strategy", "zero"], "fp32"),
     "fsdp": (1, ["--strategy", "fsdp"], "fp32"),
     "activation checkpointing": (1, ["--activation_checkpointing"], "fp32"),
+    "fp32 with TF32 matmuls": (1, ["--no-use_amp", "--tf32", "on"], "amp"),
     "bf16 autocast": (1, ["--use_amp", "--amp_dtype", "bfloat16"], "amp"),
     "fp16 autocast + GradScaler": (1, ["--use_amp", "--amp_dtype", "float16"], "amp"),
     "ddp 2 ranks (gloo)": (2, ["--backend", "gloo"], "fp32"),
@@ -141,7 +143,8 @@ def checks(out: Path, results: dict[str, Any], save: Any, names: list[str]) -> N
         run = out / name.replace(" ", "_").replace("(", "").replace(")", "").replace(",", "")
         model_parallel = "--tp" in flags or "--pp" in flags  # its ranks read one batch
         batch = str(8 if model_parallel else 8 // ranks)
-        amp = [] if kind == "amp" else ["--no-use_amp"]
+        # fp32 paths are compared with IEEE float32; TF32 is a check of its own
+        amp = [] if kind == "amp" else ["--no-use_amp", "--tf32", "off"]
         rc, tail, secs = launch(ranks, [*SMALL, *amp, "--device", "cuda", *flags,
                                         "--batch_size", batch, "--output_dir", str(run)],
                                 240 if "compile" in name else 120)

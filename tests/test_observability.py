@@ -198,7 +198,11 @@ def test_flops_are_counted_on_a_meta_shadow_taken_before_wrapping(
     assert count_flops(shadow, tokens) == count_flops(gpt, tokens) > 0
     # A CUDA stand-in: the device reads cuda, the CUDA queries are faked, the wrapped
     # model is never touched (it may refuse to be copied, as FSDP does).
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**20)
+    # A fake allocator: the peak since the last reset, now 3 MB (then 1 MB after a reset).
+    peak = [3 * 2**20]
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak[0])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: peak.__setitem__(0, 2**20))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
     cuda = DistributedContext(0, 0, 2, torch.device("cuda", 0), "nccl")
     row = gpu_fields(meta_shadow(nn.Linear(8, 4)), torch.zeros(5, 8), 1e6, cuda, torch.bfloat16)
@@ -207,7 +211,8 @@ def test_flops_are_counted_on_a_meta_shadow_taken_before_wrapping(
     assert row["tflops_per_sec"] == pytest.approx(per_sample * 1e6 / 1e12)
     assert row["mfu"] == pytest.approx(per_sample * 1e6 / (2 * 989e12))
     assert meta_shadow(_NoCopy(8, 4)) is None  # no MFU rather than a crash
-    assert gpu_fields(None, torch.zeros(5, 8), 1e6, cuda, None) == {"peak_cuda_mb": 3}
+    # Each row's peak is its own interval's: the first row's 3 MB is not carried on.
+    assert gpu_fields(None, torch.zeros(5, 8), 1e6, cuda, None) == {"peak_cuda_mb": 1}
 
 
 def test_mfu_and_peak_table() -> None:

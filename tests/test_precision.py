@@ -35,6 +35,42 @@ def test_precision_choice_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_precision(TrainingConfig(use_amp=False), cuda).dtype is None
 
 
+def test_tf32_where_the_gpu_has_it_and_off_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TF32 float32 matmuls: on by default on Ampere and later, off with --tf32 off, never
+    on a V100 or the CPU, where --tf32 on is one line; the plan says which runs."""
+    from ddptrain.errors import ConfigError
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    auto = resolve_precision(TrainingConfig(use_amp=False), cuda)
+    assert auto.tf32 and auto.describe() == "float32 (matmuls TF32)"
+    off = resolve_precision(TrainingConfig(tf32="off"), cuda)
+    assert not off.tf32 and off.describe() == "bfloat16 autocast (float32 matmuls IEEE)"
+    assert not resolve_precision(TrainingConfig(), cpu).tf32
+    assert resolve_precision(TrainingConfig(), cpu).describe() == "float32"
+    with pytest.raises(ConfigError, match="--tf32 on is invalid on CPU"):
+        resolve_precision(TrainingConfig(tf32="on"), cpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    assert not resolve_precision(TrainingConfig(), cuda).tf32
+    with pytest.raises(ConfigError, match="before Ampere"):
+        resolve_precision(TrainingConfig(tf32="on"), cuda)
+    # Applied: the process's float32 matmul precision follows (CUDA only; CPU untouched).
+    before = (torch.backends.cuda.matmul.fp32_precision,
+              torch.backends.cudnn.conv.fp32_precision)
+    try:
+        auto.apply()
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+        off.apply()
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        resolve_precision(TrainingConfig(), cpu).apply()
+        assert torch.backends.cuda.matmul.fp32_precision == "none"
+    finally:
+        (torch.backends.cuda.matmul.fp32_precision,
+         torch.backends.cudnn.conv.fp32_precision) = before
+
+
 def test_bf16_autocast_trains_on_cpu(tmp_path: Path) -> None:
     run = tmp_path / "bf16"
     args = ["train", "--amp_dtype", "bfloat16", "--epochs", "3", "--batch_size", "16"]

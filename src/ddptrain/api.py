@@ -127,6 +127,7 @@ def resolve_run(
     device = resolve_device(config, cluster.local_rank, cluster.local_world_size)
     backend = resolve_backend(config, device) if cluster.world_size > 1 else None
     precision = resolve_precision(config, device)
+    precision.apply()  # TF32 or IEEE float32 matmuls for everything this process runs
     strategy = resolve_strategy(config, cluster.world_size, device, cluster.local_world_size)
     if config.tracker != "none":
         from ddptrain.observe.trackers import require_tracker

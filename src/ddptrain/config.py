@@ -229,6 +229,11 @@ class TrainingConfig:
         "auto", "autocast dtype (auto: bfloat16 on GPUs with native bf16, else float16 + "
         "GradScaler; off on CPU)"
     )
+    tf32: Literal["auto", "on", "off"] = _f(
+        "auto", "float32 matmuls and convolutions in TF32 on GPUs that have it (compute "
+        "capability 8.0+): auto (on there, as most training tools do; about 1e-3 of "
+        "relative error), on, off (IEEE float32)"
+    )
     # Run directory and checkpoints
     output_dir: str | None = _f(
         None,

@@ -104,7 +104,7 @@ def gpu_fields(
     ctx: DistributedContext,
     amp_dtype: torch.dtype | None,
 ) -> dict[str, float]:
-    """CUDA peak memory and MFU for a train row; empty on CPU.
+    """CUDA peak memory since the previous row and MFU for a train row; empty on CPU.
 
     `model` is the model's meta shadow (`meta_shadow`, taken before the strategy wrapped
     it). `samples_per_sec` is the global rate (all ranks). The FLOPs are counted at the
@@ -112,7 +112,9 @@ def gpu_fields(
     """
     if ctx.device.type != "cuda":
         return {}
+    # The peak of this interval: each row's reading starts the next one's.
     row = {"peak_cuda_mb": torch.cuda.max_memory_allocated(ctx.device) / 2**20}
+    torch.cuda.reset_peak_memory_stats(ctx.device)
     if model is None or not isinstance(batch, torch.Tensor):
         return row  # dict inputs: FLOPs are counted for a plain tensor batch only
     if model not in _flops_per_sample:

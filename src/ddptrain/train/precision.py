@@ -1,4 +1,5 @@
-"""Mixed precision: which autocast dtype a run uses, and whether it needs a GradScaler."""
+"""Precision: which autocast dtype a run uses, whether it needs a GradScaler, and whether
+float32 matmuls and convolutions run in TF32."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ class Precision:
     dtype: torch.dtype | None  # autocast dtype; None: full precision
     scaler: bool  # a GradScaler only earns its cost for float16
     device_type: str = "cpu"
+    tf32: bool = False  # float32 matmuls and convolutions in TF32 (CUDA, capability 8.0+)
+
+    def apply(self) -> None:
+        """Set the process's float32 matmul and convolution precision (CUDA only: on CPU
+        nothing is touched)."""
+        if self.device_type != "cuda":
+            return
+        mode = "tf32" if self.tf32 else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode  # type: ignore[attr-defined]
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.dtype is None:
@@ -25,10 +36,12 @@ class Precision:
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def describe(self) -> str:
+        matmuls = "TF32" if self.tf32 else "IEEE"
         if self.dtype is None:
-            return "float32"
+            return "float32" + (f" (matmuls {matmuls})" if self.device_type == "cuda" else "")
         name = str(self.dtype).removeprefix("torch.")
-        return f"{name} autocast" + (" + GradScaler" if self.scaler else "")
+        return (f"{name} autocast" + (" + GradScaler" if self.scaler else "")
+                + (f" (float32 matmuls {matmuls})" if self.device_type == "cuda" else ""))
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -39,10 +52,21 @@ def native_bf16(device: torch.device) -> bool:
         return False
 
 
+def resolve_tf32(config: TrainingConfig, device: torch.device) -> bool:
+    """Whether float32 matmuls run in TF32: on GPUs that have it unless --tf32 off;
+    --tf32 on where there is none is one line."""
+    has = device.type == "cuda" and native_bf16(device)  # TF32 came with bf16 (Ampere)
+    if config.tf32 == "on" and not has:
+        where = "on CPU" if device.type != "cuda" else "on this GPU (before Ampere)"
+        raise ConfigError(f"--tf32 on is invalid {where}: TF32 needs a GPU of compute "
+                          "capability 8.0 or later; leave --tf32 auto, or use --tf32 off")
+    return has and config.tf32 != "off"
+
+
 def resolve_precision(config: TrainingConfig, device: torch.device) -> Precision:
-    kind = device.type
+    kind, tf32 = device.type, resolve_tf32(config, device)
     if not config.use_amp:
-        return Precision(None, False, kind)
+        return Precision(None, False, kind, tf32)
     if kind == "cuda":
         # auto: bfloat16 where the GPU computes it natively (Ampere and later: fp32's range,
         # no loss scaling), float16 + GradScaler on older GPUs.
@@ -50,7 +74,7 @@ def resolve_precision(config: TrainingConfig, device: torch.device) -> Precision
             config.amp_dtype == "auto" and native_bf16(device)
         )
         dtype = torch.bfloat16 if bf16 else torch.float16
-        return Precision(dtype, dtype == torch.float16, kind)
+        return Precision(dtype, dtype == torch.float16, kind, tf32)
     if config.amp_dtype == "bfloat16":
         return Precision(torch.bfloat16, False, kind)
     if config.amp_dtype == "float16":

@@ -101,6 +101,7 @@ class Trainer:
         device = ctx.device
         self.task = task or resolve_task(config, data.facts)
         self.precision = precision or resolve_precision(config, device)
+        self.precision.apply()
         self.choice = strategy or resolve_strategy(config, ctx.world_size, device)
         self.strategy = self.choice.build(ctx, config, self.precision.dtype)
         self.module = self._build_module(module)
