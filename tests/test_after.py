@@ -329,8 +329,28 @@ def test_interleave_puts_the_ranks_rows_back_in_order() -> None:
     shard = [torch.arange(r, 7, 3) for r in range(3)]
     first = interleave([s[:2] for s in shard])
     second = interleave([s[2:] if len(s) > 2 else None for s in shard])
-    assert torch.cat([first, second]).tolist() == list(range(7))
-    assert interleave([torch.tensor([0, 2]), torch.tensor([1])]).tolist() == [0, 1, 2]
+    assert [int(r) for r in first + second] == list(range(7))
+    assert [int(r) for r in interleave([torch.tensor([0, 2]), torch.tensor([1])])] == [0, 1, 2]
+
+
+def test_rows_padded_per_batch_differ_between_ranks_and_go_to_jsonl(tmp_path: Path) -> None:
+    """Two ranks' batches padded to their own longest sample: rank 0's rows are 3 wide,
+    rank 1's 5. .jsonl takes rows of any shape; .npy says to use .jsonl."""
+    from ddptrain.errors import ConfigError
+    from ddptrain.train.predict import _writer
+
+    rows = interleave([torch.zeros(2, 3), torch.ones(2, 5)])
+    assert [tuple(r.shape) for r in rows] == [(3,), (5,), (3,), (5,)]
+    sink = _writer(tmp_path / "p.jsonl", 4, overwrite=False)
+    sink.write(rows)
+    sink.close()
+    lines = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert [len(x["prediction"]) for x in lines] == [3, 5, 3, 5]
+    npy = _writer(tmp_path / "p.npy", 4, overwrite=False)
+    with pytest.raises(ConfigError, match=r"change shape from \(3,\) to \(5,\).*jsonl"):
+        npy.write(rows)
+    npy.abort()
+    assert not (tmp_path / "p.npy").exists()
 
 
 def _two_ranks(rank: int, run: Path, out: Path) -> dict[str, Any]:

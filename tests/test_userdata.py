@@ -88,6 +88,23 @@ def test_hf_datasets_in_every_shape_a_factory_returns(tmp_path: Path) -> None:
         bundle_datasets({"training": hf_one(None)}, TrainingConfig(dataset="m:f"))
 
 
+def test_a_causal_lm_dataset_with_labels_equal_to_input_ids_is_read_as_tokens() -> None:
+    """The standard causal-LM layout: `input_ids` and `labels` (= input_ids) per row. With
+    datasets 5 a column is a lazy `Column`; a 2-D labels column is not class labels, and
+    is never read whole to count classes."""
+    datasets = pytest.importorskip("datasets")
+    from ddptrain.data import bundle_datasets
+
+    ids = [[i % 7, (i + 1) % 7, (i + 2) % 7, (i + 3) % 7] for i in range(12)]
+    for fmt in (None, "torch"):
+        ds = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+        ds = ds.with_format(fmt) if fmt else ds
+        data = bundle_datasets({"train": ds, "validation": ds},
+                               TrainingConfig(dataset="m:f", task="lm"))
+        assert data.facts.num_classes is None
+        assert data.train[0]["labels"].tolist() == ids[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shards,workers", [
     (4, 0), pytest.param(3, 0, marks=pytest.mark.heavy),

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -140,6 +141,17 @@ def class_label_count(dataset: Any) -> int | None:
     return None
 
 
+def _one_integer_per_row(dataset: Any) -> bool:
+    """Whether a Hugging Face dataset's `labels` column is one integer per row (a
+    ClassLabel or an integer Value), judged from its features without reading it."""
+    import datasets
+
+    feature = (dataset.features or {}).get(LABELS)
+    if isinstance(feature, datasets.ClassLabel):
+        return True
+    return isinstance(feature, datasets.Value) and "int" in str(feature.dtype)
+
+
 def labels_column(dataset: Any) -> torch.Tensor | None:
     """Every label of a map-style dataset whose labels can be read without its samples:
     an adapted Hugging Face dataset (one column read) or a `TensorDataset` (its last
@@ -148,10 +160,10 @@ def labels_column(dataset: Any) -> torch.Tensor | None:
     if hasattr(dataset, "indices") and hasattr(dataset, "dataset"):  # a Subset
         rows, dataset = list(dataset.indices), dataset.dataset
     if isinstance(dataset, HFRows):
-        if LABELS not in (dataset.dataset.column_names or ()):
-            return None
-        column = dataset.dataset.with_format("torch")[LABELS]
-        labels = column if isinstance(column, torch.Tensor) else torch.as_tensor(column)
+        if not _one_integer_per_row(dataset.dataset):
+            return None  # no labels, or a sequence's (a causal LM's labels = input_ids)
+        # datasets 5 gives a lazy Column: read it whole as one numpy array
+        labels = torch.as_tensor(np.asarray(dataset.dataset.with_format("numpy")[LABELS]))
     else:
         tensors = getattr(dataset, "tensors", None)
         if not (isinstance(tensors, tuple) and tensors and isinstance(tensors[-1], torch.Tensor)):

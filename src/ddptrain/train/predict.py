@@ -128,16 +128,13 @@ def _rows(prediction: torch.Tensor | None) -> torch.Tensor:
     return (rows.float() if rows.is_floating_point() else rows).cpu()
 
 
-def interleave(parts: list[torch.Tensor | None]) -> torch.Tensor:
+def interleave(parts: list[torch.Tensor | None]) -> list[torch.Tensor]:
     """Rows of one round, back in the set's order: rank r's j-th row is sample
     (start + j) * N + r. A rank's batch is never shorter than a later rank's by more
-    than the one sample its shard lacks, so the order is that of the ranks, row by row."""
+    than the one sample its shard lacks, so the order is that of the ranks, row by row.
+    The ranks' rows may differ in shape (each batch padded to its own longest sample)."""
     shards = [p for p in parts if p is not None]
-    even = min(len(p) for p in shards)
-    rows = [torch.stack([p[:even] for p in shards], 1).flatten(0, 1)]
-    for j in range(even, max(len(p) for p in shards)):
-        rows.extend(p[j : j + 1] for p in shards if len(p) > j)
-    return torch.cat(rows)
+    return [p[j] for j in range(max(len(p) for p in shards)) for p in shards if len(p) > j]
 
 
 def _agree(failure: str | None, ctx: DistributedContext) -> str | None:
@@ -184,7 +181,7 @@ class _Writer:
         self._held = self.tmp.open("ab")  # the writers reopen the same file (same lock)
         fcntl.flock(self._held, fcntl.LOCK_EX)
 
-    def write(self, rows: torch.Tensor) -> None:
+    def write(self, rows: list[torch.Tensor]) -> None:
         raise NotImplementedError
 
     def finish(self) -> None:
@@ -212,17 +209,18 @@ class _NpyWriter(_Writer):
         super().__init__(path, n, overwrite)
         self.array: np.memmap | None = None
 
-    def write(self, rows: torch.Tensor) -> None:
+    def write(self, rows: list[torch.Tensor]) -> None:
         if self.array is None:
             self.array = np.lib.format.open_memmap(
-                self.tmp, mode="w+", dtype=rows.numpy().dtype, shape=(self.n, *rows.shape[1:])
+                self.tmp, mode="w+", dtype=rows[0].numpy().dtype, shape=(self.n, *rows[0].shape)
             )
-        if tuple(rows.shape[1:]) != self.array.shape[1:]:
-            raise ConfigError(
-                f"the model's outputs change shape from {tuple(self.array.shape[1:])} to "
-                f"{tuple(rows.shape[1:])} between batches: write --output as .jsonl"
-            )
-        self.array[self.done : self.done + len(rows)] = rows.numpy()
+        for row in rows:
+            if tuple(row.shape) != self.array.shape[1:]:
+                raise ConfigError(
+                    f"the model's outputs change shape from {tuple(self.array.shape[1:])} to "
+                    f"{tuple(row.shape)} between batches: write --output as .jsonl"
+                )
+        self.array[self.done : self.done + len(rows)] = torch.stack(rows).numpy()
         self.done += len(rows)
 
     def finish(self) -> None:
@@ -262,10 +260,10 @@ class _JsonlWriter(_Writer):
         super().__init__(path, n, overwrite)
         self.file: TextIO | None = self.tmp.open("w")
 
-    def write(self, rows: torch.Tensor) -> None:
+    def write(self, rows: list[torch.Tensor]) -> None:
         assert self.file is not None
-        for row in rows.tolist():
-            self.file.write(json.dumps({"index": self.done, "prediction": row}) + "\n")
+        for row in rows:
+            self.file.write(json.dumps({"index": self.done, "prediction": row.tolist()}) + "\n")
             self.done += 1
         self.file.flush()  # a round leaves the process as it is written
 
