@@ -57,6 +57,7 @@ SEQ, STEPS, WARMUP = 2048, 10, 3
 # (batch, flags): the batch sizes plain, then the paths that change a step's cost.
 SPEED_RUNS: list[tuple[int, list[str]]] = [
     (4, []), (8, []), (8, ["--activation_checkpointing"]),
+    (8, ["--activation_checkpointing", "selective"]),
     (8, ["--strategy", "fsdp"]), (8, ["--compile"]),
 ]
 
@@ -66,6 +67,8 @@ CHECKS: dict[str, tuple[int, list[str], str]] = {
     "zero": (1, ["--strategy", "zero"], "fp32"),
     "fsdp": (1, ["--strategy", "fsdp"], "fp32"),
     "activation checkpointing": (1, ["--activation_checkpointing"], "fp32"),
+    "selective activation checkpointing": (1, ["--activation_checkpointing", "selective"],
+                                           "fp32"),
     "fp32 with TF32 matmuls": (1, ["--no-use_amp", "--tf32", "on"], "amp"),
     "bf16 autocast": (1, ["--use_amp", "--amp_dtype", "bfloat16"], "amp"),
     "fp16 autocast + GradScaler": (1, ["--use_amp", "--amp_dtype", "float16"], "amp"),

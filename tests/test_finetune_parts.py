@@ -13,6 +13,7 @@ exactly the trainable ones). The heavy tier adds the user's optimizer and schedu
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,45 @@ def test_freeze_turns_gradients_off_and_a_pattern_matching_nothing_is_an_error()
     with pytest.raises(ConfigError, match="--lr_scale 'x' matches no parameter"):
         param_groups(Tiny(), TrainingConfig(lr_scale={"x": 2.0}))
     with pytest.raises(ConfigError, match="finds no repeated blocks"):
-        prepare_module(nn.Linear(2, 2), [], True, None)
+        prepare_module(nn.Linear(2, 2), [], "block", None)
+
+
+def test_selective_recompute_keeps_the_matmuls_and_recomputes_the_cheap_ops() -> None:
+    """One forward and backward of the built-in GPT under each mode, its ops counted:
+    block runs every matmul of the blocks again in backward, selective none of them but
+    the element-wise ops (GELU) again; the gradients are plain training's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ddptrain.models import GPT, GPTConfig
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for mode in ("off", "block", "selective"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32))
+        prepare_module(model, [], mode, None)
+        with Count() as count:
+            model(tokens).float().pow(2).mean().backward()
+        runs[mode] = (count.ops, {n: p.grad for n, p in model.named_parameters()})
+    off, block, selective = (runs[m][0] for m in ("off", "block", "selective"))
+    matmuls = lambda ops: ops["addmm"] + ops["mm"]  # noqa: E731
+    # Under block, each of 2 blocks runs 3 of its 4 linears again (the recompute stops
+    # once backward has what it needs: the last one's output is not); under selective none
+    assert matmuls(block) == matmuls(off) + 2 * 3
+    assert matmuls(selective) == matmuls(off)
+    assert selective["gelu"] == off["gelu"] + 2 == block["gelu"]
+    for mode in ("block", "selective"):
+        for name, grad in runs["off"][1].items():
+            torch.testing.assert_close(runs[mode][1][name], grad, rtol=0, atol=1e-6)
 
 
 def test_flags_parse_and_bad_values_are_refused() -> None:
@@ -81,6 +120,17 @@ def test_flags_parse_and_bad_values_are_refused() -> None:
     assert cfg.freeze == ["embed.*", "body.0.*"]
     assert cfg.lr_scale == {"layers.*.bias": 0.5}
     assert cfg.optimizer_args == {"head": "net.5"}
+    # --activation_checkpointing alone is block; a mode may follow; yes/no of older
+    # run directories and True in Python read as block / off
+    assert cfg.activation_checkpointing == "off"
+    assert parse_config(["--activation_checkpointing"]).activation_checkpointing == "block"
+    assert parse_config(["--activation_checkpointing", "selective"]).activation_checkpointing \
+        == "selective"
+    assert TrainingConfig(activation_checkpointing=True).validate().activation_checkpointing \
+        == "block"
+    from ddptrain.config import _coerce
+
+    assert _coerce("activation_checkpointing", False) == "off"
     for argv, fix in [
         (["--lr_scale", "head.*=0"], "positive factor"),
         (["--optimizer", "adam"], "sgd, adamw or package.module:fn"),
@@ -187,6 +237,7 @@ def _check_ac_and_freeze(got: dict[str, Any]) -> None:
     plain, ac, frozen = got["plain"], got["ac"], got["frozen"]
     for k, v in plain["after"].items():
         torch.testing.assert_close(ac["after"][k], v, rtol=0, atol=1e-5, msg=k)
+        torch.testing.assert_close(got["selective"]["after"][k], v, rtol=0, atol=1e-5, msg=k)
     # Each block's forward ran once more per training micro-batch: recomputed in backward.
     assert [a - p for a, p in zip(ac["calls"], plain["calls"], strict=True)] == [
         plain["steps"]] * 4
@@ -202,6 +253,7 @@ def test_ddp_freeze_reduces_only_trained_bytes_and_recompute_changes_nothing(
 ) -> None:
     variants = {
         "plain": {}, "ac": {"activation_checkpointing": True}, "frozen": {"freeze": FROZEN},
+        "selective": {"activation_checkpointing": "selective"},
     }
     got = run_ranks(_variants, 2, tmp_path, _base(tmp_path, "ddp"), variants)[0]
     _check_ac_and_freeze(got)
@@ -232,7 +284,8 @@ def test_a_user_optimizer_and_scheduler_under_zero_end_with_ddps_weights(
 @pytest.mark.slow
 def test_fsdp_freeze_inside_a_block_and_recompute_changes_nothing(tmp_path: Path) -> None:
     variants = {"plain": {}, "ac": {"activation_checkpointing": True},
-                "frozen": {"freeze": FROZEN}}
+                "frozen": {"freeze": FROZEN},
+                "selective": {"activation_checkpointing": "selective"}}
     got = run_ranks(_variants, 2, tmp_path, _base(tmp_path, "fsdp"), variants)[0]
     _check_ac_and_freeze(got)
 

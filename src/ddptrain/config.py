@@ -219,9 +219,12 @@ class TrainingConfig:
     scheduler_args: dict[str, Any] = field(
         default_factory=dict, metadata={"help": "key=value arguments for a module:fn scheduler"}
     )
-    activation_checkpointing: bool = _f(
-        False, "recompute the repeated blocks' activations in backward (the blocks fsdp "
-        "shards; --fsdp_wrap names them): less memory, one more forward of each block",
+    activation_checkpointing: Literal["off", "block", "selective"] = field(
+        default="off", metadata={"bare": "block", "help": (
+            "recompute activations in backward, in the repeated blocks (the blocks fsdp "
+            "shards; --fsdp_wrap names them): block (the flag alone: each block's whole "
+            "forward again; least memory) or selective (per op: the outputs of matmuls and "
+            "attention are kept, the cheap ops between them recomputed)")},
     )
     # Mixed precision
     use_amp: bool = _f(True, "mixed precision on CUDA; on CPU only with --amp_dtype bfloat16")
@@ -338,6 +341,8 @@ class TrainingConfig:
             value = getattr(self, name)
             if value < 1:
                 _bad(name, value, "use a whole number of at least 1")
+        if isinstance(self.activation_checkpointing, bool):  # Python's True: the flag alone
+            self.activation_checkpointing = _recompute_mode(self.activation_checkpointing)
         for f in dataclasses.fields(self):  # nan compares false with every bound: first
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -606,10 +611,17 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         choices = typing.get_args(base) if typing.get_origin(base) is Literal else None
         metavar = None if choices else base.__name__.upper()
+        # A choice the flag means when given alone (`--activation_checkpointing`)
+        bare = {"nargs": "?", "const": f.metadata["bare"]} if "bare" in f.metadata else {}
         parser.add_argument(
             f"--{f.name}", type=_converter(f.name, tp), default=f.default, choices=choices,
-            metavar=metavar, help=help_text,
+            metavar=metavar, help=help_text, **bare,
         )
+
+
+def _recompute_mode(on: bool) -> Any:
+    """--activation_checkpointing as a yes/no (older run directories, `True` in Python)."""
+    return "block" if on else "off"
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -622,6 +634,8 @@ def _coerce(name: str, value: Any) -> Any:
         raise ConfigError(f"{name}: null is invalid in the config file: give a value")
     if typing.get_origin(base) is Literal:
         choices = typing.get_args(base)
+        if isinstance(value, bool) and name == "activation_checkpointing":
+            return _recompute_mode(value)  # written before the flag took a mode
         if value not in choices:
             raise ConfigError(f"{name}: {value!r} in the config file is invalid: choose {choices}")
         return value

@@ -8,7 +8,12 @@ module's own, whatever the strategy) match: DDP then leaves them out of its buck
 out of its reduce-scatter, and the optimizer never sees them. `--activation_checkpointing`
 recomputes each repeated block's forward in backward (non-reentrant
 `torch.utils.checkpoint`, which restores the RNG state, so dropout draws the same masks):
-the blocks are the ones fsdp shards one by one (`fsdp_blocks`, or `--fsdp_wrap`). The
+the blocks are the ones fsdp shards one by one (`fsdp_blocks`, or `--fsdp_wrap`).
+`--activation_checkpointing selective` keeps, inside each block, the outputs of the ops
+that cost the most to run again (matmuls, attention: `KEPT`) and recomputes only the cheap
+ones between them (norms, activations, residual adds), as torchtitan's per-op policy
+does: most of block checkpointing's saving on the element-wise tensors, little of its
+recompute. The
 block's `forward` is replaced on the instance, not the block wrapped in another module,
 so parameter names, checkpoints and FSDP's hooks around the block stay as they are.
 """
@@ -18,9 +23,15 @@ from __future__ import annotations
 import fnmatch
 import functools
 from collections.abc import Iterable
+from typing import Any
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.fsdp import fsdp_blocks
@@ -63,8 +74,30 @@ def freeze(module: nn.Module, patterns: list[str]) -> int:
     return sum(p.numel() for p in frozen.values())
 
 
-def checkpoint_activations(module: nn.Module, wrap: str | None) -> list[nn.Module]:
-    """Make each repeated block recompute its activations in backward; returns the blocks."""
+_aten = torch.ops.aten
+# The ops whose outputs `selective` keeps: the expensive ones to run again.
+KEPT = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.linear.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+})
+
+
+def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEPT else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective() -> Any:
+    return create_selective_checkpoint_contexts(_keep_expensive)
+
+
+def checkpoint_activations(
+    module: nn.Module, wrap: str | None, mode: str = "block"
+) -> list[nn.Module]:
+    """Make each repeated block recompute its activations in backward, all of them
+    (`block`) or the cheap ops' (`selective`); returns the blocks."""
     blocks = fsdp_blocks(module, wrap)
     if not blocks:
         raise ConfigError(
@@ -73,15 +106,20 @@ def checkpoint_activations(module: nn.Module, wrap: str | None) -> list[nn.Modul
         )
     for block in blocks:
         # Instance attribute: nn.Module.__call__ (and FSDP's hooks around it) call it.
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        if mode == "selective":
+            block.forward = functools.partial(
+                checkpoint, block.forward, use_reentrant=False, context_fn=_selective
+            )
+        else:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     return blocks
 
 
-def prepare_module(module: nn.Module, patterns: list[str], recompute: bool,
+def prepare_module(module: nn.Module, patterns: list[str], recompute: str,
                    wrap: str | None) -> int:
-    """`--freeze` and `--activation_checkpointing` on the bare module, before the strategy
-    wraps or shards it; returns the frozen element count."""
+    """`--freeze` and `--activation_checkpointing` (off, block, selective) on the bare
+    module, before the strategy wraps or shards it; returns the frozen element count."""
     frozen = freeze(module, patterns)
-    if recompute:
-        checkpoint_activations(module, wrap)
+    if recompute != "off":
+        checkpoint_activations(module, wrap, recompute)
     return frozen

@@ -94,7 +94,7 @@ def resolve_strategy(
     ignored."""
     device_type = torch.device(device).type
     if config.strategy != "fsdp":
-        if config.fsdp_wrap and not config.activation_checkpointing:
+        if config.fsdp_wrap and config.activation_checkpointing == "off":
             _refuse("fsdp_wrap", config.fsdp_wrap, config.strategy)  # else: names AC's blocks
         if not config.reshard_after_forward:
             _refuse("no-reshard_after_forward", None, config.strategy)
