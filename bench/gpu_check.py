@@ -58,7 +58,8 @@ SEQ, STEPS, WARMUP = 2048, 10, 3
 SPEED_RUNS: list[tuple[int, list[str]]] = [
     (4, []), (8, []), (8, ["--activation_checkpointing"]),
     (8, ["--activation_checkpointing", "selective"]),
-    (8, ["--strategy", "fsdp"]), (8, ["--compile"]),
+    (8, ["--strategy", "fsdp"]), (8, ["--float8", "tensorwise"]),
+    (8, ["--float8", "rowwise"]), (8, ["--compile"]),
 ]
 
 # name -> (ranks, flags, kind): "fp32" compared by weights, "amp" by loss, "info" recorded.
@@ -72,6 +73,11 @@ CHECKS: dict[str, tuple[int, list[str], str]] = {
     "fp32 with TF32 matmuls": (1, ["--no-use_amp", "--tf32", "on"], "amp"),
     "bf16 autocast": (1, ["--use_amp", "--amp_dtype", "bfloat16"], "amp"),
     "fp16 autocast + GradScaler": (1, ["--use_amp", "--amp_dtype", "float16"], "amp"),
+    "float8 tensorwise (bf16 autocast)": (
+        1, ["--use_amp", "--amp_dtype", "bfloat16", "--float8", "tensorwise"], "amp"),
+    "float8 rowwise, fsdp (bf16 autocast)": (
+        1, ["--use_amp", "--amp_dtype", "bfloat16", "--float8", "rowwise", "--strategy",
+            "fsdp"], "amp"),
     "ddp 2 ranks (gloo)": (2, ["--backend", "gloo"], "fp32"),
     "tp 2 (gloo)": (2, ["--backend", "gloo", "--tp", "2"], "fp32"),
     "pp 2 (gloo)": (2, ["--backend", "gloo", "--pp", "2"], "fp32"),

@@ -197,7 +197,7 @@ def _variants(rank: int, base: dict[str, Any], variants: dict[str, dict[str, Any
 
     try:
         for name, extra in variants.items():
-            run = Path(base["output_dir"]) / name
+            run = Path(extra.get("output_dir") or Path(base["output_dir"]) / name)
             run.mkdir(parents=True, exist_ok=True)
             cfg = TrainingConfig(**{**base, **extra, "output_dir": str(run)}).validate()
             trainer = Trainer(cfg, ctx, load_data(cfg))
@@ -233,6 +233,26 @@ def _base(tmp_path: Path, strategy: str) -> dict[str, Any]:
 FROZEN = ["stem.*", "blocks.1.fc.weight"]  # a whole layer, and half of an fsdp block
 
 
+def _float8_variants(tmp_path: Path, strategy: str) -> dict[str, dict[str, Any]]:
+    """Two epochs in fp32 and with float8 linears, and the float8 run again from its
+    first epoch's checkpoint (8 steps; a file under ddp, a DCP directory under fsdp)."""
+    f8 = {"float8": "tensorwise", "epochs": 2}
+    epoch1 = tmp_path / "runs" / "float8" / "checkpoints" / "step_000000008"
+    return {"plain2": {"epochs": 2}, "float8": f8, "float8_resumed": {
+        **f8, "resume_from": str(epoch1) + (".pt" if strategy == "ddp" else "")}}
+
+
+def _check_float8(got: dict[str, Any], tmp_path: Path) -> None:
+    """float8 really ran (its weights are not fp32's), ended within 2 % of fp32's
+    validation loss, and its resume is bitwise the uninterrupted run."""
+    plain, f8 = got["plain2"]["after"], got["float8"]["after"]
+    assert max(float((f8[k] - v).abs().max()) for k, v in plain.items()) > 1e-4
+    loss = {n: json.loads((tmp_path / "runs" / n / "summary.json").read_text())["val_loss"]
+            for n in ("plain2", "float8")}
+    assert abs(loss["float8"] - loss["plain2"]) <= 0.02 * loss["plain2"], loss
+    assert_bitwise(got["float8_resumed"]["after"], f8)
+
+
 def _check_ac_and_freeze(got: dict[str, Any]) -> None:
     plain, ac, frozen = got["plain"], got["ac"], got["frozen"]
     for k, v in plain["after"].items():
@@ -254,9 +274,11 @@ def test_ddp_freeze_reduces_only_trained_bytes_and_recompute_changes_nothing(
     variants = {
         "plain": {}, "ac": {"activation_checkpointing": True}, "frozen": {"freeze": FROZEN},
         "selective": {"activation_checkpointing": "selective"},
+        **_float8_variants(tmp_path, "ddp"),
     }
     got = run_ranks(_variants, 2, tmp_path, _base(tmp_path, "ddp"), variants)[0]
     _check_ac_and_freeze(got)
+    _check_float8(got, tmp_path)
     plain, frozen = got["plain"], got["frozen"]
     # Every step reduces each trainable gradient once, 4 bytes an element; frozen: none.
     assert plain["bytes"] == 4 * plain["trainable"] * plain["steps"]
@@ -285,9 +307,11 @@ def test_a_user_optimizer_and_scheduler_under_zero_end_with_ddps_weights(
 def test_fsdp_freeze_inside_a_block_and_recompute_changes_nothing(tmp_path: Path) -> None:
     variants = {"plain": {}, "ac": {"activation_checkpointing": True},
                 "frozen": {"freeze": FROZEN},
-                "selective": {"activation_checkpointing": "selective"}}
+                "selective": {"activation_checkpointing": "selective"},
+                **_float8_variants(tmp_path, "fsdp")}
     got = run_ranks(_variants, 2, tmp_path, _base(tmp_path, "fsdp"), variants)[0]
     _check_ac_and_freeze(got)
+    _check_float8(got, tmp_path)
 
 
 # ---------------------------------------------------------------- exact resume, torchrun

@@ -71,6 +71,57 @@ def test_tf32_where_the_gpu_has_it_and_off_on_request(monkeypatch: pytest.Monkey
          torch.backends.cudnn.conv.fp32_precision) = before
 
 
+def test_float8_is_refused_in_one_line_where_it_cannot_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--float8 needs compute capability 8.9 (an A100 stand-in is refused before the
+    process group), composes with ddp/zero/fsdp only, and needs torchao; the CPU emulates
+    it (tests); the plan says it runs."""
+    import importlib.util
+
+    from ddptrain.errors import ConfigError
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    f8 = TrainingConfig(float8="tensorwise")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match=r"compute capability 8\.0\): float8 matmuls need 8\.9"):
+        resolve_precision(f8, cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_precision(f8, cuda).describe().endswith(", float8 tensorwise linears")
+    assert resolve_precision(f8, cpu).float8 == "tensorwise"
+    with pytest.raises(ConfigError, match="--float8 with --tp/--pp is not supported"):
+        resolve_precision(TrainingConfig(float8="rowwise", tp=2), cpu)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else real(name, *a))
+    with pytest.raises(ConfigError, match="needs torchao: pip install torchao"):
+        resolve_precision(f8, cpu)
+    # Evaluating a float8 run swaps nothing: it asks for no torchao and no float8 GPU.
+    from ddptrain.train.inference import Source, source_config
+
+    stored = Source({"float8": "tensorwise", "activation_checkpointing": "block"}, Path("w"))
+    after = source_config(stored)
+    assert (after.float8, after.activation_checkpointing) == ("off", "off")
+    resolve_precision(after, cpu)
+
+
+def test_float8_converts_the_block_linears_and_keeps_the_tied_head() -> None:
+    """The GPT's block linears become Float8Linear under the same state-dict names; the
+    head, tied to the embedding, stays as it is."""
+    from ddptrain.models import GPT, GPTConfig
+    from ddptrain.parallel.parts import to_float8
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    names = list(model.state_dict())
+    chosen = to_float8(model, "tensorwise", fsdp=False)
+    assert chosen == [f"blocks.{b}.{n}" for b in range(2)
+                      for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert type(model.blocks[0].attn.c_attn).__name__ == "Float8Linear"
+    assert type(model.lm_head).__name__ == "Linear" and model.lm_head.weight is model.wte.weight
+    assert list(model.state_dict()) == names
+    model(torch.randint(0, 64, (2, 16))).sum().backward()
+
+
 def test_bf16_autocast_trains_on_cpu(tmp_path: Path) -> None:
     run = tmp_path / "bf16"
     args = ["train", "--amp_dtype", "bfloat16", "--epochs", "3", "--batch_size", "16"]

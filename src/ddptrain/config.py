@@ -232,6 +232,12 @@ class TrainingConfig:
         "auto", "autocast dtype (auto: bfloat16 on GPUs with native bf16, else float16 + "
         "GradScaler; off on CPU)"
     )
+    float8: Literal["off", "tensorwise", "rowwise"] = _f(
+        "off", "train the linear layers in float8 (torchao, `pip install torchao`): "
+        "tensorwise (one scale per tensor; under fsdp the all-gather is float8 too) or "
+        "rowwise (a scale per row: closer to bf16, slower); GPUs of compute capability "
+        "8.9+ (H100, L4, RTX 4090), and the CPU, where it is emulated (for tests)"
+    )
     tf32: Literal["auto", "on", "off"] = _f(
         "auto", "float32 matmuls and convolutions in TF32 on GPUs that have it (compute "
         "capability 8.0+): auto (on there, as most training tools do; about 1e-3 of "

@@ -115,11 +115,63 @@ def checkpoint_activations(
     return blocks
 
 
+def to_float8(module: nn.Module, recipe: str, fsdp: bool) -> list[str]:
+    """`--float8`: swap the linear layers for torchao's `Float8Linear` (same parameters,
+    same state-dict names: checkpoints stay interchangeable with bf16 runs); returns the
+    names converted. Left in higher precision: a linear whose sides are not multiples of
+    16 (float8 matmuls need them) and one whose weight is shared (a head tied to the
+    embedding). Under fsdp with tensorwise scaling, the all-gather sends float8."""
+    import dataclasses
+    import logging
+
+    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [q.level for q in quiet]
+    for q in quiet:  # its import reports kernels this machine has no use for
+        q.setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    finally:
+        for q, level in zip(quiet, levels, strict=True):
+            q.setLevel(level)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if fsdp and recipe == "tensorwise":
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    shared = {id(p) for p, n in _uses(module).items() if n > 1}
+    chosen: list[str] = []
+
+    def fits(layer: nn.Module, name: str) -> bool:
+        ok = (isinstance(layer, nn.Linear) and layer.in_features % 16 == 0
+              and layer.out_features % 16 == 0 and id(layer.weight) not in shared)
+        if ok:
+            chosen.append(name)
+        return ok
+
+    convert_to_float8_training(module, config=config, module_filter_fn=fits)
+    if not chosen:
+        raise ConfigError(
+            f"--float8 {recipe} finds no linear layer to convert in this model (float8 "
+            "matmuls need sides that are multiples of 16); drop --float8"
+        )
+    return chosen
+
+
+def _uses(module: nn.Module) -> dict[nn.Parameter, int]:
+    """How many modules hold each parameter (2 for a tied embedding and head)."""
+    uses: dict[nn.Parameter, int] = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            uses[p] = uses.get(p, 0) + 1
+    return uses
+
+
 def prepare_module(module: nn.Module, patterns: list[str], recompute: str,
-                   wrap: str | None) -> int:
-    """`--freeze` and `--activation_checkpointing` (off, block, selective) on the bare
-    module, before the strategy wraps or shards it; returns the frozen element count."""
+                   wrap: str | None, float8: str = "off", fsdp: bool = False) -> int:
+    """The passes on the bare module, before the strategy wraps or shards it: `--freeze`,
+    `--float8` (its linears swapped), `--activation_checkpointing` (off, block, selective);
+    returns the frozen element count."""
     frozen = freeze(module, patterns)
+    if float8 != "off":
+        to_float8(module, float8, fsdp)
     if recompute != "off":
         checkpoint_activations(module, wrap, recompute)
     return frozen

@@ -20,6 +20,7 @@ class Precision:
     scaler: bool  # a GradScaler only earns its cost for float16
     device_type: str = "cpu"
     tf32: bool = False  # float32 matmuls and convolutions in TF32 (CUDA, capability 8.0+)
+    float8: str = "off"  # the linears' float8 recipe (`ddptrain.parallel.parts.to_float8`)
 
     def apply(self) -> None:
         """Set the process's float32 matmul and convolution precision (CUDA only: on CPU
@@ -37,11 +38,14 @@ class Precision:
 
     def describe(self) -> str:
         matmuls = "TF32" if self.tf32 else "IEEE"
+        linears = f", float8 {self.float8} linears" if self.float8 != "off" else ""
         if self.dtype is None:
-            return "float32" + (f" (matmuls {matmuls})" if self.device_type == "cuda" else "")
+            return ("float32" + (f" (matmuls {matmuls})" if self.device_type == "cuda" else "")
+                    + linears)
         name = str(self.dtype).removeprefix("torch.")
         return (f"{name} autocast" + (" + GradScaler" if self.scaler else "")
-                + (f" (float32 matmuls {matmuls})" if self.device_type == "cuda" else ""))
+                + (f" (float32 matmuls {matmuls})" if self.device_type == "cuda" else "")
+                + linears)
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -63,10 +67,41 @@ def resolve_tf32(config: TrainingConfig, device: torch.device) -> bool:
     return has and config.tf32 != "off"
 
 
+def check_float8(config: TrainingConfig, device: torch.device) -> str:
+    """--float8's recipe, refused in one line where it cannot run: a GPU before compute
+    capability 8.9 (no float8 matmuls), tensor or pipeline parallelism (not composed
+    yet), or no torchao."""
+    if config.float8 == "off":
+        return "off"
+    if device.type == "cuda":
+        try:
+            capability = torch.cuda.get_device_capability(device)
+        except (RuntimeError, AssertionError, ValueError):
+            capability = (0, 0)
+        if capability < (8, 9):
+            raise ConfigError(
+                f"--float8 {config.float8} is invalid on this GPU (compute capability "
+                f"{capability[0]}.{capability[1]}): float8 matmuls need 8.9 or later (H100, "
+                "L4, RTX 4090); drop --float8 and train in bf16"
+            )
+    if config.tp > 1 or config.pp > 1:
+        raise ConfigError(
+            "--float8 with --tp/--pp is not supported yet: float8 runs under ddp, zero and "
+            "fsdp; drop --float8 or the model split"
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"--float8 {config.float8} needs torchao: pip install torchao "
+                          "(beside your torch), or drop --float8")
+    return config.float8
+
+
 def resolve_precision(config: TrainingConfig, device: torch.device) -> Precision:
     kind, tf32 = device.type, resolve_tf32(config, device)
+    float8 = check_float8(config, device)
     if not config.use_amp:
-        return Precision(None, False, kind, tf32)
+        return Precision(None, False, kind, tf32, float8)
     if kind == "cuda":
         # auto: bfloat16 where the GPU computes it natively (Ampere and later: fp32's range,
         # no loss scaling), float16 + GradScaler on older GPUs.
@@ -74,12 +109,13 @@ def resolve_precision(config: TrainingConfig, device: torch.device) -> Precision
             config.amp_dtype == "auto" and native_bf16(device)
         )
         dtype = torch.bfloat16 if bf16 else torch.float16
-        return Precision(dtype, dtype == torch.float16, kind, tf32)
+        return Precision(dtype, dtype == torch.float16, kind, tf32, float8)
     if config.amp_dtype == "bfloat16":
-        return Precision(torch.bfloat16, False, kind)
+        return Precision(torch.bfloat16, False, kind, tf32, float8)
     if config.amp_dtype == "float16":
         raise ConfigError(
             "--amp_dtype 'float16' is invalid on CPU: float16 autocast is a GPU feature; "
             "use --amp_dtype bfloat16 or --no-use_amp"
         )
-    return Precision(None, False, kind)  # auto on CPU: fp32, as mixed precision rarely pays there
+    # auto on CPU: fp32, as mixed precision rarely pays there
+    return Precision(None, False, kind, tf32, float8)

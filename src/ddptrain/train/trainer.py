@@ -114,7 +114,8 @@ class Trainer:
         # --freeze and --activation_checkpointing act on the bare module, the same for
         # every strategy (DDP leaves frozen parameters out of its buckets).
         self.frozen = prepare_module(
-            self.module, config.freeze, config.activation_checkpointing, config.fsdp_wrap
+            self.module, config.freeze, config.activation_checkpointing, config.fsdp_wrap,
+            self.precision.float8, self.choice.name == "fsdp",
         )
         # Wrapped (or sharded in place) before the optimizer sees the parameters: under
         # fsdp they become shards, and a checkpoint loads into the shards.
