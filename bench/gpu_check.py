@@ -96,20 +96,14 @@ def env() -> dict[str, str]:
 
 def launch(ranks: int, args: list[str], timeout_s: float) -> tuple[int, str, float]:
     """`ddptrain` with `args` on `ranks` processes; (exit code, output tail, seconds)."""
+    from bench.run import run_command
+
     cmd = [sys.executable, "-m", "ddptrain", *args]
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={ranks}", "-m", "ddptrain", *args]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        return 124, _tail(out or ""), time.perf_counter() - t0
-    return proc.returncode, _tail(out), time.perf_counter() - t0
+    code, out, seconds = run_command(cmd, env(), timeout_s)
+    return code, _tail(out), seconds
 
 
 def _tail(out: str) -> str:

@@ -37,15 +37,14 @@ class Precision:
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def describe(self) -> str:
-        matmuls = "TF32" if self.tf32 else "IEEE"
-        linears = f", float8 {self.float8} linears" if self.float8 != "off" else ""
         if self.dtype is None:
-            return ("float32" + (f" (matmuls {matmuls})" if self.device_type == "cuda" else "")
-                    + linears)
-        name = str(self.dtype).removeprefix("torch.")
-        return (f"{name} autocast" + (" + GradScaler" if self.scaler else "")
-                + (f" (float32 matmuls {matmuls})" if self.device_type == "cuda" else "")
-                + linears)
+            text, matmuls = "float32", "matmuls"
+        else:
+            text = str(self.dtype).removeprefix("torch.") + " autocast"
+            text, matmuls = text + (" + GradScaler" if self.scaler else ""), "float32 matmuls"
+        if self.device_type == "cuda":
+            text += f" ({matmuls} {'TF32' if self.tf32 else 'IEEE'})"
+        return text + (f", float8 {self.float8} linears" if self.float8 != "off" else "")
 
 
 def native_bf16(device: torch.device) -> bool:
