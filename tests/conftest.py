@@ -30,8 +30,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("heavy") and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+        # Under pytest-xdist (`-n 2 --dist loadgroup`): a module that starts a cluster of
+        # its own (Slurm's daemons, a local Ray) keeps its tests on one worker.
+        group = _ONE_WORKER.get(item.path.stem)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
+_ONE_WORKER = {"test_slurm": "slurm", "test_ray": "ray"}
 _SLOW = {"now": True}  # whether the test being set up or run may start several processes
 
 

@@ -5,11 +5,15 @@
                     writes HANG_STARTED/failed
   HANG_STARTED=DIR  each DataLoader worker writes DIR/r<rank>-<pid> when it first reads, so a
                     test can find (and kill) the workers of a rank
+  HANG_SLOW_EXIT=S  rank HANG_RANK takes S seconds more to exit (an `atexit` sleep): it closed
+                    its sockets, its peers see it gone, its process still runs
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,8 @@ class _Samples(Dataset):
         self.rank = os.environ.get("RANK", "0")
         self.fails = self.rank == os.environ.get("HANG_RANK", "1")
         self.seen = 0  # the pid that wrote its mark (workers get copies of the dataset)
+        if self.fails and os.environ.get("HANG_SLOW_EXIT"):
+            atexit.register(time.sleep, float(os.environ["HANG_SLOW_EXIT"]))
 
     def __len__(self) -> int:
         return len(self.x)
@@ -53,8 +59,6 @@ def samples(config: Any) -> Dataset:
 
 def slow(config: Any) -> Dataset:
     """Takes two minutes to load, after writing HANG_STARTED/loading."""
-    import time
-
     (Path(os.environ["HANG_STARTED"]) / "loading").touch()
     time.sleep(120)
     return _Samples()

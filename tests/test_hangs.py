@@ -123,7 +123,9 @@ def test_a_killed_worker_ends_every_process(tmp_path: Path, how: str) -> None:
     marks = tmp_path / "marks"
     marks.mkdir()
     args = [*JOB, "--epochs", "200", "--output_dir", str(tmp_path / "run")]
-    procs = _launch(how, args, tmp_path, {"HANG_STARTED": str(marks)})
+    # The failing rank is slow to exit after its peers see it gone: torchrun must still
+    # name it, not the peer that lost it (`cli.PEER_LOST_LINGER_S`).
+    procs = _launch(how, args, tmp_path, {"HANG_STARTED": str(marks), "HANG_SLOW_EXIT": "1.5"})
     deadline = time.monotonic() + 120
     while len(workers := list(marks.glob("r1-*"))) < 2:
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline

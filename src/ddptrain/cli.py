@@ -19,6 +19,7 @@ import gc
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -313,6 +314,13 @@ _WORKER_DIED = re.compile(
 _WORKER_RAISED = re.compile(r"Caught (\w+) in DataLoader worker process (\d+)")
 
 
+# A rank that lost its peers has said so; it waits this long before it exits, so that a
+# launcher sees the rank that failed end first: torchrun names the first worker it sees
+# end as the root cause and stops the others, and the failing rank may still be ending
+# its DataLoader workers when its peers notice its closed sockets.
+PEER_LOST_LINGER_S = 3.0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a command; a run that fails leaves no DataLoader worker behind."""
     from_command = False
@@ -322,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not from_command or code:
             _end_workers()
+    ranks = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
+    if code == EXIT_PEER_LOST and ranks != "1":
+        time.sleep(PEER_LOST_LINGER_S)
     return code
 
 

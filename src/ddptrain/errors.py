@@ -11,6 +11,9 @@ code each way gets.
 | 75 | stopped by SIGTERM after writing a checkpoint (at start-up: at once); resume with auto |
 | 130 | stopped by SIGINT (Ctrl-C) after writing a checkpoint |
 | 143 | the same as 75 inside a Kubernetes pod, whose restart policy retries 128-255 only |
+
+A rank that lost contact exits 3 s after its line (`cli.PEER_LOST_LINGER_S`), so that
+torchrun sees the rank that failed end first and names it, with its code, as the cause.
 """
 
 from __future__ import annotations
