@@ -203,6 +203,38 @@ def test_a_dcp_step_directory_evaluates_and_a_damaged_one_is_refused(
     _one_line_exit_2(["evaluate", str(step), *CODE], capsys, "damaged")
 
 
+def test_a_dcp_runs_latest_and_best_and_the_run_itself_are_taken_by_every_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`checkpoints/latest` and `best` of a DCP run are files naming a step directory:
+    export, evaluate, --resume_from and --init_from take them, export takes the run."""
+    run = tmp_path / "dcp"
+    train([*CLS, "--checkpoint_format", "dcp", "--output_dir", str(run)])
+    ckpts = run / "checkpoints"
+    newest = sorted(ckpts.glob("step_*"))[-1]
+    assert (ckpts / "latest").read_text().strip() == newest.name
+    weights = {}
+    for name, given in (("step", newest), ("latest", ckpts / "latest"),
+                        ("best", ckpts / "best"), ("run", run)):
+        out = tmp_path / f"{name}.safetensors"
+        assert main(["export", str(given), str(out)]) == 0, capsys.readouterr().err
+        weights[name] = load_file(out)
+    best = (ckpts / "best").read_text().strip()
+    for name in ("latest", "run") + (("best",) if best == newest.name else ()):
+        assert weights[name].keys() == weights["step"].keys()
+        assert all(torch.equal(weights[name][k], weights["step"][k]) for k in weights["step"])
+    assert_same_figures(ddptrain.evaluate(ckpts / "latest", argv=CODE), last_val_row(run))
+    train([*CLS, "--epochs", "3", "--resume_from", str(ckpts / "latest"),
+           "--output_dir", str(tmp_path / "more")])
+    more = [json.loads(x) for x in (tmp_path / "more" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["epoch"] for r in more} == {3}  # epochs 1-2 came from the checkpoint
+    train([*CLS, "--epochs", "1", "--init_from", str(ckpts / "best"),
+           "--output_dir", str(tmp_path / "init")])
+    (ckpts / "latest").write_text("step_000000999\n")  # names a directory since removed
+    _one_line_exit_2(["export", str(ckpts / "latest"), str(tmp_path / "x.safetensors")],
+                     capsys, "step_000000999, which is not in")
+
+
 PLANTED = """
 from pathlib import Path
 

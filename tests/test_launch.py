@@ -77,3 +77,13 @@ def test_a_host_name_that_resolves_to_loopback_is_refused(tmp_path: Path) -> Non
         pytest.skip(f"host name {host!r} does not resolve to a loopback address here")
     res = launch(["--epochs", "1"], tmp_path, NNODES="2", NODE_RANK="0", MASTER_ADDR=host)
     assert res.returncode == 2 and f"MASTER_ADDR={host} (127." in res.stderr, res.stderr
+
+
+def test_a_fresh_runs_directory_is_named_after_its_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddptrain.config import TrainingConfig
+    from ddptrain.launch.rundir import default_output_dir
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    for dataset, name in (("digits", "digits"), ("data/my-set.npz", "my_set"),
+                          ("mypkg.corpus:build", "corpus_build"), ("corpus:build", "corpus_build")):
+        assert default_output_dir(TrainingConfig(dataset=dataset)) == f"runs/{name}-job7"

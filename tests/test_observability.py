@@ -119,6 +119,33 @@ def test_plot_overlays_two_runs(run_dir: Path, tmp_path: Path) -> None:
     assert main(["plot", str(run_dir), "-o", str(out), "--overwrite"]) == 0
 
 
+def test_runs_of_different_tasks_say_whose_metric_each_curve_is(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    from ddptrain.observe.plot import draw_runs
+
+    runs = []
+    for name, metric, value in (("cls", "accuracy", 0.9), ("lm", "perplexity", 12.0)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"split": split, "epoch": 1, "step": 5, "loss": 1.0, metric: value, "lr": 0.1}
+                for split in ("train", "val")]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(run)
+    fig = draw_runs(runs)
+    panel = fig.axes[1]
+    assert panel.get_title() == "accuracy / perplexity"
+    labels = [line.get_label() for line in panel.get_lines()]
+    assert labels == ["cls accuracy train", "cls accuracy val", "lm perplexity train",
+                      "lm perplexity val"]
+    assert fig.axes[0].get_lines()[0].get_label() == "cls train"  # the loss: one name
+    plt.close(fig)
+    fig = draw_runs(runs[:1])  # one task: its metric, the run's name alone
+    assert fig.axes[1].get_title() == "accuracy"
+    assert fig.axes[1].get_lines()[0].get_label() == "cls train"
+    plt.close(fig)
+
+
 def test_plot_of_a_missing_run_dir_is_one_line_and_exit_2(
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -160,6 +160,9 @@ def test_regression_refuses_nothing_silently(tmp_path: Path, capsys: pytest.Capt
         # dict batches without labels, a model without its own loss
         (["--dataset", "taskplug:dicts", "--dataset_args", "labels=false",
           "--model", "taskplug:logits_only"], "no 'labels'"),
+        # ... and a task named for them: refused, not replaced by the model's own loss
+        (["--dataset", "taskplug:dicts", "--dataset_args", "labels=false",
+          "--model", "taskplug:logits_only", "--task", "lm"], "--task lm scores targets"),
         # --val_fraction with a dataset that brings its own split
         (["--dataset", "taskplug:multilabel", "--val_fraction", "0.3"], "cannot apply"),
         (["--dataset_args", "x"], "expected key=value"),
@@ -423,3 +426,18 @@ def test_the_bundled_sets_are_scikit_learns_without_importing_it() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_plan_names_an_lm_vocabulary_and_the_models_own_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`--num_classes` sizes an lm's vocabulary, not classes; dicts without labels train
+    the model's own loss, which the plan says in words."""
+    rc = main(["train", "--dataset", "taskplug:tokens", "--model", "taskplug:tiny_lm",
+               "--num_classes", "300", "--dry_run", "--output_dir", str(tmp_path / "lm")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "task            lm, vocabulary of 300 tokens (from --num_classes)" in out
+    rc = main(["train", "--dataset", "taskplug:dicts", "--dataset_args", "labels=false",
+               "--model", "taskplug:dict_net", "--dry_run", "--output_dir", str(tmp_path / "d")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "task            the model's own loss (the batches hold no 'labels')" in out

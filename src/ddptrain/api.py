@@ -247,7 +247,7 @@ def _finished_summary(run: Resolved, model: Any) -> dict[str, Any] | None:
 
     import torch
 
-    from ddptrain.checkpoint import find_resumable, load_checkpoint
+    from ddptrain.checkpoint import find_resumable, load_named
 
     config = run.config
     source = config.resume_from
@@ -256,7 +256,7 @@ def _finished_summary(run: Resolved, model: Any) -> dict[str, Any] | None:
     if source == "auto":
         found = find_resumable(config.ckpt_dir, torch.device("cpu"))
     else:
-        found = Path(source), load_checkpoint(Path(source), torch.device("cpu"))
+        found = load_named(Path(source), torch.device("cpu"))
     if found is None:
         return None
     path, payload = found

@@ -88,13 +88,19 @@ def _cmd_export(argv: list[str]) -> int:
 
     parser = ErrorParser(prog="ddptrain export", description="Export model weights to safetensors.")
     parser.add_argument(
-        "checkpoint", type=Path, help="a ddptrain checkpoint: a .pt file or a DCP step directory"
+        "checkpoint", type=Path, help="a ddptrain checkpoint: a .pt file, a DCP step directory "
+        "(or the checkpoints/latest or best naming one), or a run directory (its newest)"
     )
     parser.add_argument("output", type=Path, help="the .safetensors file to write")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the output file if it exists")
     args = parser.parse_args(argv)
-    count = export_safetensors(args.checkpoint, args.output, args.overwrite)
+    checkpoint = args.checkpoint
+    if checkpoint.is_dir() and (checkpoint / "config.yaml").is_file():
+        from ddptrain.train.inference import newest_checkpoint
+
+        checkpoint = newest_checkpoint(checkpoint)  # a run directory
+    count = export_safetensors(checkpoint, args.output, args.overwrite)
     print(f"wrote {count} tensors to {args.output}")
     return 0
 

@@ -13,7 +13,13 @@ from ddptrain.checkpoint.export import (
     export_safetensors_state,
     read_safetensors_state,
 )
-from ddptrain.checkpoint.manager import Checkpointer, find_resumable, load_checkpoint, locate_resume
+from ddptrain.checkpoint.manager import (
+    Checkpointer,
+    find_resumable,
+    load_checkpoint,
+    load_named,
+    locate_resume,
+)
 from ddptrain.checkpoint.pt import BEST, LATEST, list_checkpoints, save_checkpoint
 from ddptrain.checkpoint.schema import FORMAT_VERSION, Progress
 
@@ -32,6 +38,7 @@ __all__ = [
     "list_checkpoints",
     "list_step_dirs",
     "load_checkpoint",
+    "load_named",
     "locate_resume",
     "read_safetensors_state",
     "save_checkpoint",

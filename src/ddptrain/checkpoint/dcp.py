@@ -352,6 +352,26 @@ def _pointer(path: Path) -> str | None:
         return None
 
 
+def follow_pointer(path: Path) -> Path:
+    """A DCP run's `checkpoints/latest` and `checkpoints/best` are small files that name
+    a step directory beside them: given one, the directory it names (every command that
+    takes a checkpoint takes them); any other path as it is."""
+    if path.name not in (LATEST_DIR, BEST_DIR) or not path.is_file():
+        return path
+    if path.stat().st_size > 64:
+        return path  # not a pointer: refused as what it is by whoever reads it
+    name = _pointer(path) or ""
+    if not _DIR.match(name):
+        return path
+    target = path.parent / name
+    if not target.is_dir():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} names {name}, which is not in {str(path.parent)!r} "
+            "(removed since): give another step directory, or --resume_from auto"
+        )
+    return target
+
+
 @contextlib.contextmanager
 def _one_process_quietly() -> Iterator[None]:
     """DCP without a process group (one process, on purpose), without its warning that

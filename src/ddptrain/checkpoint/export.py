@@ -62,6 +62,9 @@ def checkpoint_model_state(
     """The whole model state of a `.pt` file or a DCP step directory, on the CPU, its
     checksums checked first (a damaged checkpoint is refused). `ctx`: the ranks that
     share the checking of a step directory's files (collective); None: this process."""
+    from ddptrain.checkpoint.dcp import follow_pointer
+
+    checkpoint = follow_pointer(checkpoint)
     if checkpoint.is_dir():
         from ddptrain.checkpoint.dcp import check_shards, model_state_from_dir
 

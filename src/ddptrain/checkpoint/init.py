@@ -32,6 +32,7 @@ from ddptrain.checkpoint.dcp import (
     META,
     check_metadata,
     check_shards,
+    follow_pointer,
     model_state_from_dir,
     read_meta,
 )
@@ -146,6 +147,7 @@ def source_shapes(path: Path) -> tuple[Shapes, dict[str, str]]:
     file and a step directory are checked against their checksums first (a damaged one
     is refused); safetensors are read from their headers."""
     cpu = torch.device("cpu")
+    path = follow_pointer(path)
     if _is_step_dir(path):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -171,6 +173,7 @@ def source_shapes(path: Path) -> tuple[Shapes, dict[str, str]]:
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """The whole model state at `path`, on the CPU (a `.pt` is memory-mapped)."""
+    path = follow_pointer(path)
     if _is_step_dir(path):
         return model_state_from_dir(path)
     if path.is_dir():

@@ -30,6 +30,7 @@ from ddptrain.checkpoint.common import (
 )
 from ddptrain.checkpoint.dcp import (
     ShardedCheckpointer,
+    follow_pointer,
     list_step_dirs,
     load_sharded,
     read_meta,
@@ -54,6 +55,16 @@ def load_checkpoint(path: Path, device: torch.device, verify: bool = False) -> d
     state, which `Checkpointer.load` reads into the model's shards (`shards_damage` checks
     them). `verify`: check a file's tensors against their checksums first."""
     return read_meta(path, device) if path.is_dir() else read_payload(path, device, verify)
+
+
+def load_named(
+    path: Path, device: torch.device, verify: bool = False
+) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint a user named (`--resume_from PATH`): a DCP run's `latest` or
+    `best` is the step directory it names (`follow_pointer`), then read as
+    `load_checkpoint` reads it."""
+    path = follow_pointer(path)
+    return path, load_checkpoint(path, device, verify)
 
 
 def find_resumable(
@@ -165,7 +176,7 @@ def _locate(
     if source is None:
         return None
     if source != "auto":
-        return Path(source), load_checkpoint(Path(source), device, verify=True)
+        return load_named(Path(source), device, verify=True)
     found = find_resumable(directory, device, verify=True, skip=skip)
     if found is None:
         log.info("no checkpoint in %s: starting fresh", directory)

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 import yaml
 
-from ddptrain.config import TrainingConfig, dump_yaml
+from ddptrain.config import TrainingConfig, dump_yaml, names_code
 from ddptrain.errors import ConfigError
 from ddptrain.files import LOCK_NAME
 
@@ -85,8 +85,15 @@ def job_token() -> str:
 
 
 def default_output_dir(config: TrainingConfig) -> str:
-    """`runs/<dataset>-<job>` for a run that names no directory of its own."""
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(config.dataset.split(":")[-1]).stem)
+    """`runs/<dataset>-<job>` for a run that names no directory of its own: a built-in
+    set's name, a file's stem, or for `package.module:fn` the module's name and the
+    function's (`runs/corpus_build-...`, not `runs/build-...`)."""
+    if names_code("dataset", config.dataset):
+        module, _, fn = config.dataset.rpartition(":")
+        name = f"{module.rsplit('.', 1)[-1]}_{fn}"
+    else:
+        name = Path(config.dataset.split(":")[-1]).stem
+    name = re.sub(r"[^A-Za-z0-9_.]+", "_", name)
     return str(Path("runs") / f"{name}-{job_token()}")
 
 

@@ -73,42 +73,54 @@ def _series(rows: list[dict[str, Any]], split: str, field: str) -> tuple[list[in
 def plot_runs(run_dirs: list[Path], out: Path, overwrite: bool = True) -> Path:
     """Draw every run's curves into one figure of four panels and save it as `out` (an
     existing `out` replaced only with `overwrite`)."""
+    import matplotlib.pyplot as plt
+
+    from ddptrain.files import staged
+
+    fig = draw_runs(run_dirs)
+    with staged(out, overwrite) as tmp:  # readers never see a half-drawn file
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    return out
+
+
+def draw_runs(run_dirs: list[Path]) -> Any:
+    """The figure of `plot_runs`: loss, the task's metric, learning rate and throughput."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed, none opened
     import matplotlib.pyplot as plt
 
     runs = [(d, read_metrics(d)) for d in run_dirs]
+    metrics = [task_metric(rows) or "accuracy" for _, rows in runs]
+    # Runs of different tasks share the metric panel: its title names every metric drawn
+    # and each run's lines say which is theirs.
+    named = list(dict.fromkeys(metrics))
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (run_dir, rows) in enumerate(runs):
+    for i, ((run_dir, rows), metric) in enumerate(zip(runs, metrics, strict=True)):
         colour = colours[i % len(colours)]
         name = run_dir.resolve().name
-        metric = task_metric(rows) or "accuracy"
         for ax, (panel, title, with_val) in zip(axes.flat, PANELS, strict=True):
             field = metric if panel == METRIC else panel
+            label = f"{name} {metric}" if panel == METRIC and len(named) > 1 else name
             steps, values = _series(rows, "train", field)
             if steps:
-                ax.plot(steps, values, color=colour, linewidth=1.4, label=f"{name} train")
+                ax.plot(steps, values, color=colour, linewidth=1.4, label=f"{label} train")
             if with_val:
                 steps, values = _series(rows, "val", field)
                 if steps:
                     ax.plot(
                         steps, values, color=colour, linestyle="--", marker="o", markersize=3,
-                        label=f"{name} val",
+                        label=f"{label} val",
                     )
-            ax.set_title(field if panel == METRIC else title)
+            ax.set_title(" / ".join(named) if panel == METRIC else title)
     for ax in axes.flat:
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize="small")
-    from ddptrain.files import staged
-
-    with staged(out, overwrite) as tmp:  # readers never see a half-drawn file
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    return out
+    return fig
 
 
 def matplotlib_available() -> bool:

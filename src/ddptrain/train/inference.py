@@ -32,7 +32,7 @@ from ddptrain.checkpoint import (
     read_safetensors_state,
 )
 from ddptrain.checkpoint.common import check_model_state
-from ddptrain.checkpoint.dcp import is_whole
+from ddptrain.checkpoint.dcp import follow_pointer, is_whole
 from ddptrain.config import (
     CODE_FIELDS,
     TrainingConfig,
@@ -80,6 +80,7 @@ def find_source(path: Path) -> Source:
             f"{str(path)!r} does not exist: give a run directory, a checkpoint (.pt file or "
             "DCP step directory) or a model.safetensors beside its config.yaml"
         )
+    path = follow_pointer(path)
     if path.is_dir() and not is_whole(path):
         return _run_dir(path)
     if path.suffix == ".safetensors":
@@ -106,16 +107,23 @@ def _run_dir(path: Path) -> Source:
     weights = path / "model.safetensors"
     if weights.is_file():
         return Source(config, weights)
-    ckpt_dir = path / "checkpoints"
-    if config.get("checkpoint_dir"):
-        ckpt_dir = Path(config["checkpoint_dir"])
+    return Source(config, newest_checkpoint(path, config))
+
+
+def newest_checkpoint(run_dir: Path, config: Mapping[str, Any] | None = None) -> Path:
+    """The newest whole checkpoint of a run directory (`ddptrain export RUN_DIR`)."""
+    if config is None:
+        config = load_yaml(str(run_dir / "config.yaml"))
+    ckpt_dir = Path(config["checkpoint_dir"]) if config.get("checkpoint_dir") else (
+        run_dir / "checkpoints"
+    )
     found = find_resumable(ckpt_dir, torch.device("cpu"), verify=True)
     if found is None:
         raise ConfigError(
-            f"run directory {str(path)!r} holds no model.safetensors and no whole checkpoint "
-            f"in {str(ckpt_dir)!r}: train it first, or give a checkpoint"
+            f"run directory {str(run_dir)!r} holds no model.safetensors and no whole "
+            f"checkpoint in {str(ckpt_dir)!r}: train it first, or give a checkpoint"
         )
-    return Source(config, found[0])
+    return found[0]
 
 
 def source_config(

@@ -19,6 +19,7 @@ from ddptrain.data import DataBundle, samples_dropped, steps_per_epoch
 from ddptrain.parallel import StrategyChoice
 from ddptrain.parallel.memory import format_bytes, human_bytes, human_count, optimizer_slots
 from ddptrain.train.optim import peak_lr
+from ddptrain.train.tasks import LanguageModel, ModelLoss
 
 
 @dataclass(frozen=True)
@@ -89,15 +90,23 @@ def make_plan(
             parameters, optimizer_slots(cfg)
         ),
         device_bytes=strategy.device_bytes, largest=strategy.largest_models(optimizer_slots(cfg)),
-        classes=_classes(data), frozen=frozen, groups=tuple(groups or ()),
+        classes=_classes(data, task), frozen=frozen, groups=tuple(groups or ()),
     )
 
 
-def _classes(data: DataBundle) -> str | None:
+def _classes(data: DataBundle, task: str) -> str | None:
     facts = data.facts
     if facts.num_classes is None or facts.target_is_float or facts.classes_from is None:
         return None
+    if task == LanguageModel.name:  # --num_classes sizes an lm's vocabulary
+        return f"vocabulary of {facts.num_classes:,} tokens (from {facts.classes_from})"
     return f"{facts.num_classes} classes (from {facts.classes_from})"
+
+
+def _task(name: str) -> str:
+    if name == ModelLoss.name:
+        return "the model's own loss (the batches hold no 'labels')"
+    return name
 
 
 def _kind(strategy: StrategyChoice, parameters: int | None, cfg: TrainingConfig) -> str:
@@ -126,7 +135,7 @@ def format_plan(plan: RunPlan, config: TrainingConfig) -> str:
     lines = [
         f"world size      {plan.world_size} ({plan.strategy}), {plan.device}, "
         f"backend {plan.backend}, {plan.precision}",
-        f"task            {plan.task}"
+        f"task            {_task(plan.task)}"
         + (f", {plan.classes}" if plan.classes is not None else "")
         + (f", {plan.parameters:,} parameters" if plan.parameters is not None else ""),
         f"batch           {b} per rank x {k} accumulation step(s) x {w} "

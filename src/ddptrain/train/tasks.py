@@ -302,6 +302,13 @@ def resolve_task(config: Any, facts: DataFacts) -> Task:
             )
         return task
     if facts.target_shape is None:
+        if name != "auto":
+            raise ConfigError(
+                f"--task {name} scores targets, and the samples of --dataset "
+                f"{config.dataset!r} hold none (a dict without 'labels'): add labels to "
+                "them (a causal LM's are its input_ids; the lm task shifts them), or leave "
+                "--task auto to train the loss the model computes itself"
+            )
         return ModelLoss()
     if name == "auto":
         name = _auto_task(facts)
