@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed-0.5
 setup: $(STAMP)
 
 # torch (pip takes the CPU build) and numpy first, alone; then the rest through uv, which
-# resolves, downloads and compiles on every core (about 45 s where pip takes 3 minutes) and
+# resolves, downloads and compiles on every core (about 45 s where pip takes 3 on 2 cores) and
 # keeps the installed torch, pinned. Modules are compiled at install: where
 # PYTHONDONTWRITEBYTECODE is set (as on CI), nothing compiled later is kept, and each
 # process would compile them again.
@@ -44,7 +44,7 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-# Real process groups, torchrun, the CLI end to end (about 10 minutes).
+# Real process groups, torchrun, the CLI end to end (about 6 minutes on 2 cores).
 test-slow: $(STAMP) slurm-deps
 	$(PY) -m pytest -q -m "slow and not heavy" $(XDIST) --durations=15
 
