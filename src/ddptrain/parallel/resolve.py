@@ -58,11 +58,15 @@ class StrategyChoice:
 
     @property
     def label(self) -> str:
-        """The name, with the mesh of an n-D layout: `fsdp; dp_replicate 2 x dp_shard 2`."""
+        """The name, with the mesh of an n-D layout: `fsdp; dp_replicate 2 x dp_shard 2`;
+        under ddp (which a split model takes only without data parallelism) the mesh alone:
+        `tp 2`, not `ddp; tp 2`."""
         if self.layout is None:
             return self.name
-        dims = [d for d in self.layout.describe().split(" x ") if not d.endswith(" 1")]
-        return f"{self.name}; {' x '.join(dims)}"
+        dims = " x ".join(d for d in self.layout.describe().split(" x ") if not d.endswith(" 1"))
+        if self.name == "ddp" and self.layout.data_parallel == 1:
+            return dims
+        return f"{self.name}; {dims}"
 
     def checkpoint_kind_for(self, parameters: int, slots: int) -> str:
         """The checkpoint kind for a model of `parameters`: `--checkpoint_format auto`
