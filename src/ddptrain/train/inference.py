@@ -120,7 +120,7 @@ def newest_checkpoint(run_dir: Path, config: Mapping[str, Any] | None = None) ->
     found = find_resumable(ckpt_dir, torch.device("cpu"), verify=True)
     if found is None:
         raise ConfigError(
-            f"run directory {str(run_dir)!r} holds no model.safetensors and no whole "
+            f"run directory {str(run_dir)!r} holds no whole "
             f"checkpoint in {str(ckpt_dir)!r}: train it first, or give a checkpoint"
         )
     return found[0]
