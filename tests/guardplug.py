@@ -13,6 +13,9 @@ killed run and its resume are the same run:
                      DIR/rank<R>.txt, one line per batch
   GUARD_SLOW_SAVE_S=S  rank 0's first checkpoint after training began takes S seconds
                      longer (the model's state is read that much later): a slow disk
+  GUARD_STOP_AT_SAVE=1  rank GUARD_KILL_RANK stops itself (SIGSTOP) as its model's state
+                     is read for the first checkpoint after training began: a peer that
+                     hangs while rank 0 writes
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ class DropoutNet(nn.Module):
         if slow and _rank() == 0 and self.kill.forwards and not getattr(self, "_slowed", 0):
             self._slowed = 1
             time.sleep(slow)
+        victim = _rank() == int(os.environ.get("GUARD_KILL_RANK", "1"))
+        if os.environ.get("GUARD_STOP_AT_SAVE") and self.kill.forwards and victim:
+            os.kill(os.getpid(), signal.SIGSTOP)
         return super().state_dict(*args, **kwargs)
 
 

@@ -145,26 +145,36 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(
 
 
 # ---------------------------------------------------------------------- dead peers
-def _manual_ranks(args: list[str], cwd: Path, port: int) -> list[subprocess.Popen[str]]:
+def _manual_ranks(
+    args: list[str], cwd: Path, port: int, extra: dict[str, str] | None = None
+) -> list[subprocess.Popen[str]]:
     procs = []
     for rank in (0, 1):
         env = child_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(extra or {})})
         procs.append(popen([sys.executable, "-m", "ddptrain", *args], cwd, env))
     return procs
 
 
-@pytest.mark.parametrize("how", ["dies", "hangs"])
+@pytest.mark.parametrize("how", ["dies", "hangs", "hangs_at_a_save"])
 def test_surviving_rank_exits_within_the_timeout(tmp_path: Path, how: str) -> None:
+    """Rank 1 dies or hangs mid-training, or hangs while rank 0 writes a checkpoint alone
+    (it had nothing to write: rank 0 waits for it --timeout_s, not --checkpoint_timeout_s)."""
     run = tmp_path / "run"
     timeout_s = 6
-    r0, r1 = _manual_ranks(
-        [*JOB, "--epochs", "20", "--timeout_s", str(timeout_s), "--output_dir", str(run)],
-        tmp_path, free_port(),
-    )
+    args = [*JOB, "--epochs", "20", "--timeout_s", str(timeout_s), "--output_dir", str(run)]
+    at_a_save = how == "hangs_at_a_save"
+    if at_a_save:  # rank 1 stops itself as the first checkpoint reads its model's state
+        args += ["--dataset", "guardplug:augmented", "--model", "guardplug:dropout_net"]
+    extra = {"GUARD_STOP_AT_SAVE": "1"} if at_a_save else None
+    r0, r1 = _manual_ranks(args, tmp_path, free_port(), extra)
     try:
-        wait_for_step(run / "checkpoints", 14, r0)
-        os.kill(r1.pid, signal.SIGKILL if how == "dies" else signal.SIGSTOP)
+        if at_a_save:
+            while r0.poll() is None and _state(r1.pid) != "T":
+                time.sleep(0.02)
+        else:
+            wait_for_step(run / "checkpoints", 14, r0)
+            os.kill(r1.pid, signal.SIGKILL if how == "dies" else signal.SIGSTOP)
         t0 = time.monotonic()
         _, err = r0.communicate(timeout=timeout_s + 60)
         waited = time.monotonic() - t0
@@ -176,6 +186,11 @@ def test_surviving_rank_exits_within_the_timeout(tmp_path: Path, how: str) -> No
     assert "lost contact with the other ranks" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
     assert waited < timeout_s + 30
+
+
+def _state(pid: int) -> str:
+    """The state letter of process `pid` (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 # ---------------------------------------------------------------------- non-finite steps

@@ -49,19 +49,23 @@ class CheckpointWriteError(TrainingStopped):
 
 @dataclass(frozen=True)
 class SaveGroup:
-    """The gloo group ranks wait on for a checkpoint write, and how long they wait
-    (`--checkpoint_timeout_s`)."""
+    """The gloo group ranks wait on for a checkpoint write, how long they wait for a
+    write (`--checkpoint_timeout_s`), and how long a rank that wrote alone waits for the
+    others, which had nothing to write (`--timeout_s`, as for any peer)."""
 
     group: Any
     timeout_s: float
+    peer_timeout_s: float
 
 
-def saving_group(ctx: DistributedContext, timeout_s: float) -> SaveGroup | None:
+def saving_group(
+    ctx: DistributedContext, timeout_s: float, peer_timeout_s: float
+) -> SaveGroup | None:
     """Collective: the group of `SaveGroup`; None on one process."""
     if not ctx.distributed:
         return None
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    return SaveGroup(group, timeout_s)
+    return SaveGroup(group, timeout_s, peer_timeout_s)
 
 
 # ---------------------------------------------------------------------- writing
@@ -118,13 +122,16 @@ def stamped(state: dict[str, Any]) -> dict[str, Any]:
 
 def agree_on_write(
     failure: BaseException | None, path: Path, directory: Path, ctx: DistributedContext,
-    who: str = "rank 0", group: SaveGroup | None = None,
+    who: str = "rank 0", group: SaveGroup | None = None, wrote_alone: bool = False,
 ) -> None:
     """Collective (also the barrier after a write): every rank learns whether any rank's
     write failed, and all stop with the same line naming the path and the errno.
 
     On `group` (`saving_group`, gloo) the wait has the checkpoint's own timeout, and a
-    write that outlasts it is its own line (exit 74), not "a peer died"."""
+    write that outlasts it is its own line (exit 74), not "a peer died". The rank that
+    `wrote_alone` waits only for ranks that had nothing to write: one that does not come
+    within --timeout_s hung or died, and this rank says so (exit 3) then, not after the
+    checkpoint's timeout."""
     code = 0
     if failure is not None:
         code = (getattr(failure, "errno", None) or -1) if isinstance(failure, OSError) else -1
@@ -132,9 +139,16 @@ def agree_on_write(
         # gloo reduces on the CPU; NCCL (no group given) on the GPU
         status = torch.tensor([float(code)], device="cpu" if group else ctx.device)
         try:  # also the barrier: none reads ahead
-            dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group and group.group)
+            if group is None:
+                dist.all_reduce(status, op=dist.ReduceOp.MAX)
+            else:
+                opts = dist.AllreduceOptions()
+                opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+                if wrote_alone:  # gloo's own per-operation timeout: nothing is left pending
+                    opts.timeout = timedelta(seconds=group.peer_timeout_s)
+                group.group.allreduce([status], opts).wait()
         except Exception as exc:
-            if group is None or not timed_out(exc):
+            if group is None or wrote_alone or not timed_out(exc):
                 raise
             raise CheckpointWriteError(
                 f"{who} did not finish writing the checkpoint {str(path)!r} within "

@@ -196,7 +196,7 @@ class Checkpointer:
         self.keep_last = config.keep_last
         # Ranks wait for a write on a group of its own, with its own timeout: a slow
         # filesystem is told apart from a lost peer (`--timeout_s` on the main group).
-        self.group = saving_group(ctx, config.checkpoint_timeout_s)
+        self.group = saving_group(ctx, config.checkpoint_timeout_s, config.timeout_s)
         self.sharded = (
             ShardedCheckpointer(
                 config.ckpt_dir, ctx, config.keep_last, config.async_checkpoint, self.group

@@ -53,7 +53,8 @@ def save_checkpoint(
     A failed write (a full disk, a quota, a vanished mount) leaves the previous checkpoint
     as it was, and every rank stops with the same line naming the path and the errno,
     instead of the other ranks blaming the network once rank 0 is gone. `group`: the
-    process group the others wait on (`saving_group`: the checkpoint's own timeout)."""
+    process group the others wait on (`saving_group`: the checkpoint's own timeout; rank 0
+    waits for them --timeout_s, as for any peer)."""
     path = directory / checkpoint_name(step)
     failure: OSError | None = None
     if ctx.is_main:
@@ -64,5 +65,5 @@ def save_checkpoint(
             prune(directory, keep_last)
         except OSError as exc:
             failure = exc
-    agree_on_write(failure, path, directory, ctx, group=group)
+    agree_on_write(failure, path, directory, ctx, group=group, wrote_alone=ctx.is_main)
     return path
