@@ -184,9 +184,10 @@ def test_sigterm_to_one_stage_stops_both_and_the_resume_is_bitwise_exact(
 def test_pp_starts_on_the_meta_device_and_no_rank_holds_more_than_its_stage(
     tmp_path: Path,
 ) -> None:
-    """The module the strategy sets up is built on the meta device; while the trainer is
-    built, no rank holds more than its stage (about half of the GPT; the tied embedding
-    on both), and the gathered initial weights are a seeded whole-model start's."""
+    """The module the strategy sets up is built on the meta device and left plain (no
+    FSDP over one rank); while the trainer is built, no rank holds more than its stage
+    (about half of the GPT; the tied embedding on both), and the gathered initial weights
+    are a seeded whole-model start's."""
     watched = {**GPT, "pp": 2, "batch_size": 8, "output_dir": str(tmp_path / "watched")}
     ranks = [r["setup"] for r in run_ranks(watched_ranks, 2, tmp_path, watched, [])]
     config = TrainingConfig(**watched).validate()
@@ -197,5 +198,7 @@ def test_pp_starts_on_the_meta_device_and_no_rank_holds_more_than_its_stage(
         assert r["on_meta"] and r["same"], rank
         assert r["samples"] > 50, r["samples"]
         assert 0 < r["held"] <= r["peak"] <= 0.75 * whole_bytes, (rank, r["peak"], whole_bytes)
+        # pp takes every rank: nothing to shard, so no FSDP wrapper and no DTensor
+        assert r["fsdp"] == 0 and r["dtensors"] == 0, r
     for name, value in whole.state_dict().items():
         assert torch.equal(ranks[0]["state"][name], value), name

@@ -24,6 +24,8 @@ from dist_utils import run_ranks
 from metaplug import _Watch, held_bytes
 from nd_workers import GLOBAL_BATCH, GPT, fit_in_group, fit_runs
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
@@ -193,6 +195,8 @@ def watch_setup(ctx: DistributedContext, overrides: dict[str, Any]) -> dict[str,
     return {
         "on_meta": on_meta[0], "peak": watch.peak, "samples": watch.samples,
         "held": held_bytes(trainer.module), "same": built[0] is trainer.module,
+        "fsdp": sum(isinstance(m, FSDPModule) for m in trainer.module.modules()),
+        "dtensors": sum(isinstance(p, DTensor) for p in trainer.module.parameters()),
         "state": {k: v.detach().clone() for k, v in state.items()},
     }
 

@@ -1,5 +1,6 @@
 """`--pp P`: pipeline parallelism, the model's layers cut into stages held by P ranks in
-turn, composed with FSDP over the data-parallel ranks (FSDP x PP).
+turn, composed with FSDP over the data-parallel ranks (FSDP x PP); with no data
+parallelism, the stages are plain modules.
 
     torchrun --nproc_per_node=2 -m ddptrain train --dataset chars --pp 2
     torchrun --nproc_per_node=4 -m ddptrain train --dataset chars --pp 2 --strategy fsdp \\
@@ -66,8 +67,8 @@ _GATHERED = StateDictOptions(full_state_dict=True)  # each stage's tensors whole
 
 class Pipeline(FSDP):
     """Pipeline stages over the mesh's `pp` dimension, each stage sharded by FSDP over the
-    data-parallel dimensions (one rank each when pp takes every rank: FSDP then only makes
-    every parameter a DTensor).
+    data-parallel dimensions; when pp takes every rank there is nothing to shard, and a
+    stage's parameters stay plain tensors (no FSDP hook runs in its steps).
 
     Start-up is fsdp's where the model allows it: built on the meta device, cut into
     stages, each rank's stages sharded, and only then allocated and filled from rank 0's
@@ -100,7 +101,10 @@ class Pipeline(FSDP):
             name: first[id(p)] for name, p in module.named_parameters() if first[id(p)] != name
         }
         on_meta, self._on_meta = self._on_meta, False  # filled below, stage by stage
-        self.views = [FSDP.setup_module(self, view) for view in views]
+        if self.ctx.data_world > 1:
+            self.views = [FSDP.setup_module(self, view) for view in views]
+        else:  # no FSDP over one rank: its hooks would run for nothing in every step
+            self.views = views
         if on_meta:
             self._fill(module, whole)
         group = mesh.get_group()
