@@ -303,11 +303,11 @@ def test_a_failed_nccl_collective_ends_with_exit_3_and_one_line(
     assert ".cpp:" not in err[0] and "frame #0" not in err[0]
 
 
-def test_an_error_of_this_process_is_no_lost_peer() -> None:
-    from ddptrain.cli import _lost_peer
+def test_an_error_of_this_process_is_nolost_peer() -> None:
+    from ddptrain.launch.process_group import lost_peer
 
-    assert not _lost_peer(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert not _lost_peer(ValueError(WATCHDOG))  # not raised by a collective
+    assert not lost_peer(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not lost_peer(ValueError(WATCHDOG))  # not raised by a collective
 
 
 @pytest.mark.parametrize(("before", "after"), [

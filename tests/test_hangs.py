@@ -20,8 +20,8 @@ from conftest import BIN, child_env, run_cli
 from dist_utils import free_port
 from procs import popen, reap  # noqa: F401  (reap: an autouse fixture)
 
-from ddptrain.cli import _data_worker, main
-from ddptrain.data.loader import raise_lost_worker, read
+from ddptrain.cli import main
+from ddptrain.data.loader import raise_lost_worker, read, worker_failure
 from ddptrain.errors import (
     EXIT_INTERRUPTED,
     EXIT_PEER_LOST,
@@ -162,7 +162,7 @@ def test_a_worker_killed_mid_handover_is_told_as_its_death() -> None:
     finally:
         worker.kill()
         worker.join()
-    assert _data_worker(raised.value) == (
+    assert worker_failure(raised.value) == (
         f"DataLoader worker (pid {worker.pid}) was killed by signal Killed: the out-of-memory "
         "killer or a kill; lower --num_workers or the memory each worker holds (dmesg tells "
         "an OOM kill), then resume with --resume_from auto", EXIT_WORKER_LOST,

@@ -30,7 +30,6 @@ from ddptrain.errors import (
     EXIT_INTERRUPTED,
     EXIT_PEER_LOST,
     EXIT_USAGE,
-    EXIT_WORKER_LOST,
     ConfigError,
     TrainingStopped,
 )
@@ -221,103 +220,11 @@ COMMANDS = {
 }
 
 
-def _lost_peer(exc: BaseException) -> bool:
-    """A collective or the rendezvous store failed: a peer, not this process, is at fault."""
-    import torch.distributed as dist
-
-    if isinstance(exc, dist.DistError):
-        return True
-    # gloo reports a dead or silent peer as a plain RuntimeError from its transport; NCCL's
-    # watchdog (a collective past --timeout_s, or a failed one) aborts the communicators,
-    # and the next wait or collective raises (DistBackendError, or a RuntimeError).
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and (
-        any(sign in text for sign in _PEER_SIGNS) or bool(_NCCL_TIMEOUT.search(text))
-    )
-
-
-_PEER_SIGNS = (
-    "gloo/transport", "pair closure", "Connection closed by peer", "Connection reset",
-    "Watchdog caught collective operation timeout", "NCCL communicator was aborted",
-)
-_NCCL_TIMEOUT = re.compile(r"ProcessGroupNCCL.*(timed out|timeout)", re.IGNORECASE)
-
-
-def _unused_parameters(exc: BaseException) -> str | None:
-    """DDP's reducer on a model whose steps leave parameters out of the loss, as what to
-    pass; None for any other error. (The peer rank may fail the same way, or lose this one.)"""
-    text = str(exc)
-    if not isinstance(exc, RuntimeError):
-        return None
-    if "not compatible with static_graph" in text:
-        return (
-            "the model used other parameters on this step than on the first, and "
-            "--static_graph says it never does: use --find_unused_parameters instead"
-        )
-    if "mark a variable ready only once" in text:
-        return (
-            "a parameter got its gradient twice in one backward pass (a module reused, or "
-            "reentrant activation checkpointing): add --static_graph if the model uses the "
-            "same parameters on every step"
-        )
-    if "finished reduction in the prior iteration" not in text and (
-        "not used in producing loss" not in text
-    ):
-        return None
-    if "find_unused_parameters=True` is enabled" in text:
-        return (
-            "DDP could not follow the loss back to every output the model returned, though "
-            "--find_unused_parameters is on: compute the loss from all of the model's "
-            "outputs, or return only those the loss uses"
-        )
-    # names with TORCH_DISTRIBUTED_DEBUG=INFO, else indices
-    names = re.search(r"Parameters which did not receive grad for rank \d+: ([^\n]+)", text)
-    indices = re.search(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)",
-                        text)
-    which = (
-        f" ({names.group(1).strip()[:120]})" if names
-        else f" (parameter indices {indices.group(1).strip()})" if indices else ""
-    )
-    return (
-        f"the model left parameters{which} out of the loss on a step, and DDP waits for "
-        "their gradients: add --find_unused_parameters (or --static_graph if the same "
-        "parameters go unused on every step)"
-    )
-
-
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     text = lines[0] if lines else type(exc).__name__
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)  # drop the C++ source location
     return text.split(". This is typically")[0][:200]
-
-
-def _data_worker(exc: BaseException) -> tuple[str, int] | None:
-    """A DataLoader worker that died, or that raised something not ddptrain's own (a
-    stream's `__iter__`, a user's collate), as (the line, the exit code); None otherwise."""
-    text = str(exc)
-    died = _WORKER_DIED.search(text)
-    if isinstance(exc, RuntimeError) and died:
-        how = f"was killed by signal {died.group(2)}" if died.group(2) else "exited unexpectedly"
-        return (
-            f"DataLoader worker (pid {died.group(1)}) {how}: the out-of-memory killer or a "
-            "kill; lower --num_workers or the memory each worker holds (dmesg tells an OOM "
-            "kill), then resume with --resume_from auto", EXIT_WORKER_LOST,
-        )
-    caught = _WORKER_RAISED.match(text)
-    if caught:
-        last = text.rstrip().splitlines()[-1][:200]
-        return (
-            f"DataLoader worker {caught.group(2)} failed: {last}: fix the dataset or "
-            "--collate, then resume with --resume_from auto", EXIT_USAGE,
-        )
-    return None
-
-
-_WORKER_DIED = re.compile(
-    r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) (?:is killed by signal: (\w+)|exited)"
-)
-_WORKER_RAISED = re.compile(r"Caught (\w+) in DataLoader worker process (\d+)")
 
 
 # A rank that lost its peers has said so; it waits this long before it exits, so that a
@@ -374,16 +281,22 @@ def _main(argv: list[str]) -> int:
         _note_exit(exc.exit_code)
         return exc.exit_code
     except Exception as exc:
-        unused = _unused_parameters(exc)
+        if "torch" not in sys.modules:  # the translations below are of torch's errors
+            raise
+        from ddptrain.data.loader import worker_failure
+        from ddptrain.launch.process_group import lost_peer
+        from ddptrain.parallel.ddp import reducer_advice
+
+        unused = reducer_advice(exc)
         if unused is not None:
             _report(f"error: {unused}")
             return EXIT_USAGE
-        worker = _data_worker(exc)
+        worker = worker_failure(exc)
         if worker is not None:
             _report(f"error: {worker[0]}")
             _note_exit(worker[1])
             return worker[1]
-        if not _lost_peer(exc):
+        if not lost_peer(exc):
             raise
         _report(
             f"error: lost contact with the other ranks ({_first_line(exc)}): a peer died, "

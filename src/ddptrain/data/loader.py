@@ -7,6 +7,7 @@ worker that dies named by its pid however its death reaches the main process (`r
 from __future__ import annotations
 
 import random
+import re
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -25,7 +26,7 @@ from torch.utils.data import (
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.data.arrays import pass_through
-from ddptrain.errors import ConfigError
+from ddptrain.errors import EXIT_USAGE, EXIT_WORKER_LOST, ConfigError
 
 
 def seed_worker(worker_id: int) -> None:
@@ -267,3 +268,31 @@ def end_worker_processes() -> None:
         child.kill()
     for child in children:
         child.join(timeout=5.0)
+
+
+def worker_failure(exc: BaseException) -> tuple[str, int] | None:
+    """A DataLoader worker that died, or that raised something not ddptrain's own (a
+    stream's `__iter__`, a user's collate), as (the line, the exit code); None otherwise."""
+    text = str(exc)
+    died = _WORKER_DIED.search(text)
+    if isinstance(exc, RuntimeError) and died:
+        how = f"was killed by signal {died.group(2)}" if died.group(2) else "exited unexpectedly"
+        return (
+            f"DataLoader worker (pid {died.group(1)}) {how}: the out-of-memory killer or a "
+            "kill; lower --num_workers or the memory each worker holds (dmesg tells an OOM "
+            "kill), then resume with --resume_from auto", EXIT_WORKER_LOST,
+        )
+    caught = _WORKER_RAISED.match(text)
+    if caught:
+        last = text.rstrip().splitlines()[-1][:200]
+        return (
+            f"DataLoader worker {caught.group(2)} failed: {last}: fix the dataset or "
+            "--collate, then resume with --resume_from auto", EXIT_USAGE,
+        )
+    return None
+
+
+_WORKER_DIED = re.compile(
+    r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) (?:is killed by signal: (\w+)|exited)"
+)
+_WORKER_RAISED = re.compile(r"Caught (\w+) in DataLoader worker process (\d+)")

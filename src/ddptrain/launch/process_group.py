@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import socket
 import time
 from datetime import timedelta
@@ -124,6 +125,26 @@ def _adopt_group(cluster: ClusterEnv, device: torch.device) -> DistributedContex
         rank, cluster.local_rank, world_size, device, backend=str(dist.get_backend()),
         owns_group=False,
     )
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """A collective or the rendezvous store failed: a peer, not this process, is at fault."""
+    if isinstance(exc, dist.DistError):
+        return True
+    # gloo reports a dead or silent peer as a plain RuntimeError from its transport; NCCL's
+    # watchdog (a collective past --timeout_s, or a failed one) aborts the communicators,
+    # and the next wait or collective raises (DistBackendError, or a RuntimeError).
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        any(sign in text for sign in _PEER_SIGNS) or bool(_NCCL_TIMEOUT.search(text))
+    )
+
+
+_PEER_SIGNS = (
+    "gloo/transport", "pair closure", "Connection closed by peer", "Connection reset",
+    "Watchdog caught collective operation timeout", "NCCL communicator was aborted",
+)
+_NCCL_TIMEOUT = re.compile(r"ProcessGroupNCCL.*(timed out|timeout)", re.IGNORECASE)
 
 
 # How ProcessGroupNCCL's watchdog answers a collective that failed or ran past --timeout_s.

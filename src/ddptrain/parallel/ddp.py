@@ -17,6 +17,7 @@ rebuild after that step then makes the same layout again. Nothing of this runs p
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -156,3 +157,45 @@ def first_buckets(
         yield
     finally:
         dist._compute_bucket_assignment_by_size = assign
+
+
+def reducer_advice(exc: BaseException) -> str | None:
+    """DDP's reducer on a model whose steps leave parameters out of the loss, as what to
+    pass; None for any other error. (The peer rank may fail the same way, or lose this one.)"""
+    text = str(exc)
+    if not isinstance(exc, RuntimeError):
+        return None
+    if "not compatible with static_graph" in text:
+        return (
+            "the model used other parameters on this step than on the first, and "
+            "--static_graph says it never does: use --find_unused_parameters instead"
+        )
+    if "mark a variable ready only once" in text:
+        return (
+            "a parameter got its gradient twice in one backward pass (a module reused, or "
+            "reentrant activation checkpointing): add --static_graph if the model uses the "
+            "same parameters on every step"
+        )
+    if "finished reduction in the prior iteration" not in text and (
+        "not used in producing loss" not in text
+    ):
+        return None
+    if "find_unused_parameters=True` is enabled" in text:
+        return (
+            "DDP could not follow the loss back to every output the model returned, though "
+            "--find_unused_parameters is on: compute the loss from all of the model's "
+            "outputs, or return only those the loss uses"
+        )
+    # names with TORCH_DISTRIBUTED_DEBUG=INFO, else indices
+    names = re.search(r"Parameters which did not receive grad for rank \d+: ([^\n]+)", text)
+    indices = re.search(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)",
+                        text)
+    which = (
+        f" ({names.group(1).strip()[:120]})" if names
+        else f" (parameter indices {indices.group(1).strip()})" if indices else ""
+    )
+    return (
+        f"the model left parameters{which} out of the loss on a step, and DDP waits for "
+        "their gradients: add --find_unused_parameters (or --static_graph if the same "
+        "parameters go unused on every step)"
+    )
