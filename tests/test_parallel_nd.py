@@ -157,3 +157,54 @@ def test_hsdp_fsdp_x_tp_and_fsdp_x_pp_on_4_ranks_equal_ddp_and_resume_elsewhere(
             torch.testing.assert_close(
                 resumed["weights"][name], value, atol=1e-5, rtol=0, msg=name
             )
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_pp2_x_tp2_on_4_ranks_equals_plain_with_accumulation_and_resumes_elsewhere(
+    tmp_path: Path, plain: dict[str, Any]
+) -> None:
+    """--pp 2 --tp 2 on 4 ranks: each stage's layers split over 2 ranks, every rank the
+    whole global batch, as 2 accumulation steps of 64 (each cut into 2 micro-batches). It
+    ends with plain training's weights (the tied embedding's gradient summed once, the
+    clip's global norm over stages and tp shards), and its DCP step directory written
+    mid-epoch resumes on one process (plain training) and on 2 ranks as 2 stages without
+    tp, each to the same weights."""
+    job = {**GPT, "pp": 2, "tp": 2, "batch_size": GLOBAL_BATCH // 2, "grad_accum_steps": 2,
+           "output_dir": str(tmp_path / "pp_tp"), "save_every_steps": 2}
+    ranks = run_ranks(fit_runs, 4, tmp_path, [job])
+    composed = ranks[0][0]
+    _assert_same_weights(composed, plain)
+    assert composed["summary"]["strategy"] == "pp"
+    # each rank holds half a stage: about a quarter of the model, the whole tensors aside
+    held = [sum(r[0]["bytes"].values()) / sum(plain["bytes"].values()) for r in ranks]
+    assert all(0.2 < h < 0.45 for h in held), held
+    step = tmp_path / "pp_tp" / "checkpoints" / "step_000000002"
+    on_one = _reference(tmp_path, "one", resume_from=str(step))
+    as_stages = run_ranks(fit_runs, 2, tmp_path, [{
+        **GPT, "pp": 2, "batch_size": GLOBAL_BATCH, "output_dir": str(tmp_path / "pp"),
+        "resume_from": str(step),
+    }])[0][0]
+    for resumed in (on_one, as_stages):
+        assert resumed["resumed_from"] == str(step)
+        for name, value in plain["weights"].items():
+            torch.testing.assert_close(
+                resumed["weights"][name], value, atol=1e-5, rtol=0, msg=name
+            )
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_fsdp_and_hsdp_x_pp2_x_tp2_on_8_ranks_equal_plain(
+    tmp_path: Path, plain: dict[str, Any]
+) -> None:
+    """3-D layouts on 8 ranks: 2 stages, each split over 2 tp ranks, each of those sharded
+    by FSDP over 2 data-parallel ranks (batch 64 each); and the same with the 2
+    data-parallel ranks as HSDP replicas (`--dp_replicate 2`). Both end with plain
+    training's weights."""
+    job = {**GPT, "strategy": "fsdp", "pp": 2, "tp": 2, "batch_size": GLOBAL_BATCH // 2}
+    runs = [{**job, "output_dir": str(tmp_path / "fsdp")},
+            {**job, "dp_replicate": 2, "output_dir": str(tmp_path / "hsdp")}]
+    fsdp, hsdp = run_ranks(fit_runs, 8, tmp_path, runs)[0]
+    for run in (fsdp, hsdp):
+        _assert_same_weights(run, plain)

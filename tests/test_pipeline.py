@@ -44,7 +44,7 @@ def _config(**fields: Any) -> TrainingConfig:
 
 
 @pytest.mark.parametrize(("fields", "world", "message"), [
-    ({"pp": 2, "tp": 2, "strategy": "fsdp"}, 4, "pipeline and tensor parallelism together"),
+    ({"pp": 2, "tp": 2, "sequence_parallel": True}, 4, "--sequence_parallel with --pp 2"),
     ({"pp": 2, "batch_size": 30, "pp_microbatches": 4}, 2, "does not divide --batch_size 30"),
     ({"pp": 4, "pp_microbatches": 2}, 4, "at least as many micro-batches as stages"),
     ({"pp": 2}, 4, "--strategy ddp does not compose"),

@@ -134,10 +134,10 @@ def _check_pipeline(config: TrainingConfig) -> None:
                     "or drop the flag"
                 )
         return
-    if config.tp > 1:
+    if config.sequence_parallel:
         raise ConfigError(
-            f"--pp {p} with --tp {config.tp}: pipeline and tensor parallelism together are "
-            "not available; use one of them (each composes with fsdp)"
+            f"--sequence_parallel with --pp {p}: the stages pass whole sequences to each "
+            "other; drop --sequence_parallel (--tp still splits the layers)"
         )
     micro = pipeline_microbatches(config)
     if config.batch_size % micro:

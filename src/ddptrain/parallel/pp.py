@@ -1,8 +1,10 @@
 """`--pp P`: pipeline parallelism, the model's layers cut into stages held by P ranks in
-turn, composed with FSDP over the data-parallel ranks (FSDP x PP); with no data
-parallelism, the stages are plain modules.
+turn, composed with FSDP over the data-parallel ranks (FSDP x PP) and with tensor
+parallelism inside each stage (`--tp`: the layers split first, by `tp.tensor_parallel`);
+with neither data parallelism nor tp, the stages are plain modules.
 
     torchrun --nproc_per_node=2 -m ddptrain train --dataset chars --pp 2
+    torchrun --nproc_per_node=4 -m ddptrain train --dataset chars --pp 2 --tp 2
     torchrun --nproc_per_node=4 -m ddptrain train --dataset chars --pp 2 --strategy fsdp \\
         --pp_schedule interleaved1f1b --pp_microbatches 4
 
@@ -54,7 +56,8 @@ from ddptrain.data.batch import Output, parse_output
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.base import NO_CONTEXT, State, local_tensor, to_cpu
 from ddptrain.parallel.fsdp import FSDP
-from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh
+from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh, tp_mesh
+from ddptrain.parallel.tp import by_layout, squared_norm, tensor_parallel
 from ddptrain.plugins import load_ref
 
 log = logging.getLogger("ddptrain")
@@ -81,6 +84,9 @@ class Pipeline(FSDP):
     def setup_module(self, module: nn.Module) -> nn.Module:
         mesh = pp_mesh(self.ctx)
         assert mesh is not None, "Pipeline runs on a mesh with a pp dimension"
+        split_layers = tp_mesh(self.ctx) is not None
+        if split_layers:  # the layers first, the whole model (on meta: nothing allocated)
+            tensor_parallel(module, self.config, self.ctx)
         p, rank = mesh.size(), mesh.get_local_rank()
         per_rank = 2 if self.config.pp_schedule == "interleaved1f1b" else 1
         stages = p * per_rank
@@ -101,7 +107,9 @@ class Pipeline(FSDP):
             name: first[id(p)] for name, p in module.named_parameters() if first[id(p)] != name
         }
         on_meta, self._on_meta = self._on_meta, False  # filled below, stage by stage
-        if self.ctx.data_world > 1:
+        if self.ctx.data_world > 1 or split_layers:
+            # (under tp, FSDP even over one rank makes the whole tensors DTensors as the
+            # split ones are: torch's fused optimizers take one kind of tensor at a time)
             self.views = [FSDP.setup_module(self, view) for view in views]
         else:  # no FSDP over one rank: its hooks would run for nothing in every step
             self.views = views
@@ -249,18 +257,14 @@ class Pipeline(FSDP):
             offset += size
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        """The global norm: each stage's (over its data-parallel shards), summed over the
-        stages; a parameter several stages hold counts once (on the first of them)."""
-        grads = [p.grad for p in params if p.grad is not None and id(p) not in self._not_counted]
-        if grads:
-            norm = nn.utils.get_total_norm(grads)
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            square = norm.float().square().reshape(1)
-        else:
-            square = torch.zeros(1, device=self.ctx.device)
+        """The global norm: each stage's (over its data-parallel and tp shards), summed over
+        the stages; a parameter several stages hold counts once (on the first of them)."""
+        counted = by_layout([p for p in params if id(p) not in self._not_counted])
+        square = squared_norm(counted, self.ctx.device).reshape(1)
         dist.all_reduce(square, group=self._pp_group)
         total = square.sqrt().squeeze()
-        nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for group in by_layout(params):
+            nn.utils.clip_grads_with_norm_(group, max_norm, total)
         return total
 
     # ------------------------------------------------------------------ state

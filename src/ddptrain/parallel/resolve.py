@@ -137,7 +137,7 @@ def resolve_strategy(
             memory, auto,
         )
     # An n-D layout shards parameters into DTensors: its checkpoints are DCP directories.
-    cls = TensorParallel if layout.tp > 1 else Pipeline if layout.pp > 1 else FSDP
+    cls = Pipeline if layout.pp > 1 else TensorParallel if layout.tp > 1 else FSDP
     kind = config.checkpoint_kind
     if layout.pp > 1 and kind == "file":
         raise ConfigError(

@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.mesh import tp_mesh
@@ -68,17 +69,7 @@ class TensorParallel(FSDP):
     name = "tp"
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        mesh = tp_mesh(self.ctx)
-        assert mesh is not None, "TensorParallel runs on a mesh with a tp dimension"
-        plan = tensor_parallel_plan(module, self.config)
-        if self.config.sequence_parallel:
-            if plan is not parallelize_gpt:
-                raise ConfigError(
-                    f"--sequence_parallel is the built-in GPT's, and this model is a "
-                    f"{type(module).__name__}: drop the flag"
-                )
-            plan = functools.partial(parallelize_gpt, sequence_parallel=True)
-        plan(module, mesh)
+        tensor_parallel(module, self.config, self.ctx)
         if self.ctx.data_world == 1:
             # fsdp computes with low-precision copies of the weights to halve its
             # all-gathers; with tp on every rank it gathers nothing, and those copies
@@ -88,27 +79,52 @@ class TensorParallel(FSDP):
         return super().setup_module(module)
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        """The global norm over parameters that live on different meshes (tp-split ones on
-        data-parallel x tp, whole ones on data-parallel alone): each group's norm is
-        reduced over its own mesh, then they are combined."""
-        groups: dict[Any, list[nn.Parameter]] = {}
-        for p in params:
-            if p.grad is None:
-                continue
-            g = p.grad
-            key = (g.device_mesh.mesh_dim_names, g.placements) if isinstance(g, DTensor) else None
-            groups.setdefault(key, []).append(p)
-        squares = []
-        for group in groups.values():
-            norm = nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-            squares.append(norm.float().square())
-        if not squares:
-            return torch.zeros((), device=self.ctx.device)
-        total = torch.stack(squares).sum().sqrt()
-        for group in groups.values():
+        groups = by_layout(params)
+        total = squared_norm(groups, self.ctx.device).sqrt()
+        for group in groups:
             nn.utils.clip_grads_with_norm_(group, max_norm, total)
         return total
+
+
+def tensor_parallel(module: nn.Module, config: TrainingConfig, ctx: DistributedContext) -> None:
+    """The tensor-parallel pass: `module` (on the meta device, or whole) split in place over
+    the mesh's tp dimension by its plan (`tensor_parallel_plan`)."""
+    mesh = tp_mesh(ctx)
+    assert mesh is not None, "tensor parallelism runs on a mesh with a tp dimension"
+    plan = tensor_parallel_plan(module, config)
+    if config.sequence_parallel:
+        if plan is not parallelize_gpt:
+            raise ConfigError(
+                f"--sequence_parallel is the built-in GPT's, and this model is a "
+                f"{type(module).__name__}: drop the flag"
+            )
+        plan = functools.partial(parallelize_gpt, sequence_parallel=True)
+    plan(module, mesh)
+
+
+def by_layout(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The parameters with a gradient, grouped by how the gradient is laid out (tp-split
+    ones on data-parallel x tp, whole ones on data-parallel alone, plain tensors): torch's
+    fused norms and scalings take one layout at a time."""
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        key = (g.device_mesh.mesh_dim_names, g.placements) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
+def squared_norm(groups: list[list[nn.Parameter]], device: torch.device) -> torch.Tensor:
+    """The squared global norm of the groups' gradients (a 0-d float tensor): each group's
+    norm reduced over its own mesh, then summed."""
+    squares = []
+    for group in groups:
+        norm = nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares.append(norm.float().square())
+    return torch.stack(squares).sum() if squares else torch.zeros((), device=device)
 
 
 def tensor_parallel_plan(module: nn.Module, config: TrainingConfig) -> TPPlan:
