@@ -60,6 +60,21 @@ def counting(config: Any, n: int = 96, length: int = 16) -> tuple[Dicts, Dicts]:
     return _split(items, vocab_size=20)
 
 
+def counting_windows(config: Any) -> tuple[Dataset, Dataset]:
+    """`counting` as token windows: the inputs one tensor, the targets the next tokens
+    (what `--pp` passes from stage to stage)."""
+    from torch.utils.data import TensorDataset
+
+    class Windows(TensorDataset):
+        vocab_size = 20
+
+    splits = []
+    for part in counting(config, length=17):
+        ids = torch.stack([item["input_ids"] for item in part.items])
+        splits.append(Windows(ids[:, :-1], ids[:, 1:]))
+    return splits[0], splits[1]
+
+
 def gpt2(config: Any, vocab_size: int) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 

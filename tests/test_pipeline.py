@@ -68,9 +68,9 @@ def test_pipeline_stages_are_the_outermost_dimension() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("flags", "line"), [
-    (["--pp", "2"], "--pp 2: ddptrain splits the built-in GPT only, and this run's model is "
-     "'mlp': give --pp_split package.module:fn, fn(model, stage, stages) returning the "
-     "stage's module"),
+    (["--pp", "2"], "--pp 2: ddptrain splits the built-in GPT and Llama-style Hugging Face "
+     "models, and this run's model is 'mlp': give --pp_split package.module:fn, "
+     "fn(model, stage, stages) returning the stage's module"),
     (["--pp", "3", "--dataset", "chars", "--pp_schedule", "interleaved1f1b",
       "--batch_size", "48"],
      "the GPT has 2 blocks, 4 units with its embeddings and head, and --pp asks for 6 "

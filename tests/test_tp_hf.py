@@ -176,3 +176,37 @@ def test_hf_gpt2_with_dropout_keeps_its_whole_parts_alike_on_the_tp_ranks(
     assert {"transformer.wte.weight", "transformer.ln_f.weight"} <= set(first)
     for name, value in first.items():
         torch.testing.assert_close(second[name], value, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_hf_llama_and_qwen2_as_pipeline_stages_alone_and_with_tp_equal_plain(
+    tmp_path: Path
+) -> None:
+    """Llama (grouped-query attention) and Qwen2 (biased q, k, v; here its head tied to
+    the embedding) cut into 2 stages on 2 ranks (`--pp 2`), and 2 stages each split over 2
+    tp ranks on 4 (`--pp 2 --tp 2`): each ends with plain training's weights, and the
+    exported directory of the 3-D run loads as the whole model."""
+    transformers.LlamaForCausalLM(_llama()).save_pretrained(tmp_path / "llama")
+    transformers.Qwen2ForCausalLM(_llama("Qwen2Config", tie_word_embeddings=True)
+                                  ).save_pretrained(tmp_path / "qwen2")
+    models = ("llama", "qwen2")
+
+    def runs(name: str, **fields: Any) -> list[dict[str, Any]]:
+        return [{**RUN, "dataset": "hfplug:counting_windows", "model": f"hf:{tmp_path / m}",
+                 "output_dir": str(tmp_path / name / m), **fields} for m in models]
+
+    plain = fit_runs(0, runs("plain"))
+    stages = run_ranks(fit_runs, 2, tmp_path, runs("pp", pp=2))[0]
+    split = run_ranks(fit_runs, 4, tmp_path, runs("pp_tp", pp=2, tp=2))[0]
+    for layout, results in (("pp", stages), ("pp x tp", split)):
+        for model, ref, got in zip(models, plain, results, strict=True):
+            assert sorted(got["weights"]) == sorted(ref["weights"]), (layout, model)
+            for name, value in ref["weights"].items():
+                torch.testing.assert_close(got["weights"][name], value, atol=1e-5, rtol=0,
+                                           msg=f"{layout} {model} {name}")
+            assert got["summary"]["samples"] == ref["summary"]["samples"]
+    for model, ref in zip(models, plain, strict=True):
+        tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pp_tp" / model / "hf")
+        for name, value in tuned.state_dict().items():
+            torch.testing.assert_close(value, ref["weights"][name], atol=1e-5, rtol=0, msg=name)

@@ -166,9 +166,11 @@ def resolve_run(
     if config.pp > 1 and model is None and config.pp_split is None:
         from ddptrain.models.factory import model_name
         from ddptrain.models.gpt import DEFAULT_N_LAYER
-        from ddptrain.parallel.pp import check_gpt_stages
+        from ddptrain.models.hf import hf_dir, is_hf_ref
+        from ddptrain.parallel.pp import check_stages
 
-        check_gpt_stages(config, model_name(config, data), DEFAULT_N_LAYER)
+        name = model_name(config, data)
+        check_stages(config, name, DEFAULT_N_LAYER, hf_dir(name) if is_hf_ref(name) else None)
     if not hasattr(task, "loss"):  # a built-in name, or None: the config's --task
         task = resolve_task(config if task is None else _with_task(config, task), data.facts)
     return Resolved(config, cluster, device, backend, precision, strategy, data, task)

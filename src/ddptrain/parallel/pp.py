@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.parallel.base import NO_CONTEXT, State, local_tensor, to_cpu
 from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh, tp_mesh
+from ddptrain.parallel.pp_hf import HFDecoderStage, check_hf_stages, is_hf_decoder
 from ddptrain.parallel.tp import by_layout, squared_norm, tensor_parallel
 from ddptrain.plugins import load_ref
 
@@ -308,16 +310,26 @@ class Pipeline(FSDP):
         return whole
 
 
-def check_gpt_stages(config: Any, model: str, blocks: int) -> None:
+def check_stages(config: Any, model: str, blocks: int, hf_directory: Path | None) -> None:
     """Before the process group: a model ddptrain cannot split without `--pp_split`, or
-    more stages than the built-in GPT (of `blocks` blocks) has units, is one line."""
+    more stages than the built-in GPT (of `blocks` blocks) or the Hugging Face model in
+    `hf_directory` (`--model hf:DIR`, read from its config.json) has units, is one line."""
+    stages = config.pp * (2 if config.pp_schedule == "interleaved1f1b" else 1)
+    if hf_directory is not None:
+        import transformers
+
+        try:
+            hf = transformers.AutoConfig.from_pretrained(hf_directory, local_files_only=True)
+        except Exception:
+            return  # a directory that cannot be read: the model's build reports it
+        check_hf_stages(hf, stages, f"--model {model}")
+        return
     if model != "gpt":
         raise ConfigError(
-            f"--pp {config.pp}: ddptrain splits the built-in GPT only, and this run's model "
-            f"is {model!r}: give --pp_split package.module:fn, fn(model, stage, stages) "
-            "returning the stage's module"
+            f"--pp {config.pp}: ddptrain splits the built-in GPT and Llama-style Hugging "
+            f"Face models, and this run's model is {model!r}: give --pp_split "
+            "package.module:fn, fn(model, stage, stages) returning the stage's module"
         )
-    stages = config.pp * (2 if config.pp_schedule == "interleaved1f1b" else 1)
     _gpt_units(blocks, stages)
 
 
@@ -332,8 +344,9 @@ def _gpt_units(blocks: int, stages: int) -> int:
 
 
 def stage_split(module: nn.Module, config: Any) -> Callable[[nn.Module, int, int], nn.Module]:
-    """`--pp_split` when given, the built-in GPT's split for the built-in GPT; any other
-    model without a split is a ConfigError."""
+    """`--pp_split` when given, the built-in GPT's split for the built-in GPT, a
+    Llama-style Hugging Face model's (`pp_hf`); any other model without a split is a
+    ConfigError."""
     if config.pp_split:
         fn = load_ref(config.pp_split, "pp_split")
         if not callable(fn):
@@ -344,8 +357,11 @@ def stage_split(module: nn.Module, config: Any) -> Callable[[nn.Module, int, int
         return fn
     if _is_gpt(module):
         return GPTStage
+    if is_hf_decoder(module):
+        return HFDecoderStage
     raise ConfigError(
-        f"--pp {config.pp}: ddptrain splits the built-in GPT only, and this model is a "
+        f"--pp {config.pp}: ddptrain splits the built-in GPT and Llama-style Hugging Face "
+        f"models, and this model is a "
         f"{type(module).__name__}: give --pp_split package.module:fn, fn(model, stage, "
         "stages) returning the stage's module"
     )
