@@ -162,13 +162,11 @@ def build_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, layout.shape, mesh_dim_names=DIMS)
 
 
-def attach_mesh(ctx: DistributedContext, config: TrainingConfig) -> DistributedContext:
-    """`ctx` with the job's mesh and this rank's data-parallel coordinates; `ctx` itself
-    for data parallelism alone. Collective under an n-D layout."""
-    if not ctx.distributed or ctx.mesh is not None:
-        return ctx
-    layout = plan_mesh(config, ctx.world_size)
-    if layout.plain:
+def attach_mesh(ctx: DistributedContext, layout: MeshLayout | None) -> DistributedContext:
+    """`ctx` with the mesh of `layout` (the strategy's, planned once by `plan_mesh`) and
+    this rank's data-parallel coordinates; `ctx` itself for data parallelism alone (None).
+    Collective under an n-D layout."""
+    if not ctx.distributed or ctx.mesh is not None or layout is None or layout.plain:
         return ctx
     mesh = build_mesh(layout, ctx.device.type)
     replica, shard = mesh.get_local_rank("dp_replicate"), mesh.get_local_rank("dp_shard")

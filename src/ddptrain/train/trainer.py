@@ -96,13 +96,14 @@ class Trainer:
     ) -> None:
         """`task`, `precision` and `strategy` come resolved from `ddptrain.fit`; left out
         (a trainer built by hand), they are resolved here from the config."""
-        ctx = attach_mesh(ctx, config)  # --tp, --dp_replicate: the device mesh, built once
-        self.config, self.ctx, self.data = config, ctx, data
         device = ctx.device
+        self.choice = strategy or resolve_strategy(config, ctx.world_size, device)
+        # --tp, --pp, --dp_replicate: the device mesh of the strategy's layout, built once
+        ctx = attach_mesh(ctx, self.choice.layout)
+        self.config, self.ctx, self.data = config, ctx, data
         self.task = task or resolve_task(config, data.facts)
         self.precision = precision or resolve_precision(config, device)
         self.precision.apply()
-        self.choice = strategy or resolve_strategy(config, ctx.world_size, device)
         self.strategy = self.choice.build(ctx, config, self.precision.dtype)
         self.module = self._build_module(module)
         self.call = ModelCall(self.module)
