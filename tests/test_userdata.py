@@ -179,6 +179,10 @@ def test_collate_in_the_python_api_and_its_flag_checked(tmp_path: Path) -> None:
     assert summary["steps"] == 10
     with pytest.raises(ConfigError, match="--collate 'pad' is invalid"):
         TrainingConfig(collate="pad").validate()
+    # a model named as --model names it, as a collate function as --collate does
+    named = ddptrain.fit(model="mlp", dataset="digits", epochs=1, tensorboard=False,
+                         output_dir=str(tmp_path / "named"))
+    assert named["steps"] > 0
 
 
 # ---------------------------------------------------------------- how many classes

@@ -89,9 +89,12 @@ def fit(
     **fields: Any,
 ) -> dict[str, Any]:
     """Train on this rank and return the run's summary. `fields` override `config`;
-    `collate` is a function of a list of samples (or a `module:fn` ref, as `--collate`)."""
+    `collate` is a function of a list of samples (or a `module:fn` ref, as `--collate`);
+    `model` a module, a function that builds one, or a name as `--model` takes it."""
     if isinstance(collate, str):
         fields, collate = {**fields, "collate": collate}, None
+    if isinstance(model, str):
+        fields, model = {**fields, "model": model}, None
     run = resolve_run(_resolve_config(config, fields), datasets, task, model, collate)
     config = run.config
     if config.dry_run:
