@@ -111,3 +111,4 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/checkpoints.py
 	$(BENCH_VENV)/bin/python bench/recompute.py
 	$(BENCH_VENV)/bin/python bench/layouts.py
+	$(BENCH_VENV)/bin/python bench/layouts_raw.py

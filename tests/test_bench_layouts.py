@@ -32,3 +32,17 @@ def test_the_report_gives_each_layouts_bytes_and_step_time_against_ddp() -> None
     assert "## Layouts: ddp, fsdp, tp, hsdp" in text
     assert "| tp 2 (`--x 1`) | 2 | 8 | 1.91 | 1.91 | 3.81 | 0.50 | 600 | 1.50 | 4.000000 |" in text
     assert "load average" not in text  # a quiet machine: no caveat
+
+
+def test_the_hand_written_comparison_reports_each_layouts_ratio() -> None:
+    from bench.layouts_raw import section as raw_section
+
+    results = {
+        "machine": {"date_utc": "today", "cpu": "cpu", "cores": 2, "torch": "2"},
+        "rounds": 2, "suite_s": 90.0,
+        "runs": {"pp 2": {"ddptrain": [0.21, 0.19], "raw": [0.2, 0.2]},
+                 "tp 2": {"ddptrain": [0.3, 0.3], "raw": [0.25, 0.25]}},
+    }
+    text = raw_section(results)
+    assert "| pp 2 | 200.0 | 200.0 | 1.00 | 210/200, 190/200 |" in text
+    assert "| tp 2 | 300.0 | 250.0 | 1.20 |" in text
