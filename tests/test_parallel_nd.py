@@ -145,18 +145,7 @@ def test_hsdp_fsdp_x_tp_and_fsdp_x_pp_on_4_ranks_equal_ddp_and_resume_elsewhere(
     ref = plain
     for run in (hsdp, fsdp_tp, fsdp_pp):
         _assert_same_weights(run, ref)
-    step = tmp_path / "fsdp_tp" / "checkpoints" / "step_000000002"
-    on_one = _reference(tmp_path, "one", resume_from=str(step))
-    as_stages = run_ranks(fit_runs, 2, tmp_path, [{
-        **GPT, "pp": 2, "batch_size": GLOBAL_BATCH, "output_dir": str(tmp_path / "pp"),
-        "resume_from": str(step),
-    }])[0][0]
-    for resumed in (on_one, as_stages):
-        assert resumed["resumed_from"] == str(step)
-        for name, value in ref["weights"].items():
-            torch.testing.assert_close(
-                resumed["weights"][name], value, atol=1e-5, rtol=0, msg=name
-            )
+    _resumes_on_one_process_and_as_stages(tmp_path, "fsdp_tp", ref)
 
 
 @pytest.mark.slow
@@ -179,7 +168,13 @@ def test_pp2_x_tp2_on_4_ranks_equals_plain_with_accumulation_and_resumes_elsewhe
     # each rank holds half a stage: about a quarter of the model, the whole tensors aside
     held = [sum(r[0]["bytes"].values()) / sum(plain["bytes"].values()) for r in ranks]
     assert all(0.2 < h < 0.45 for h in held), held
-    step = tmp_path / "pp_tp" / "checkpoints" / "step_000000002"
+    _resumes_on_one_process_and_as_stages(tmp_path, "pp_tp", plain)
+
+
+def _resumes_on_one_process_and_as_stages(tmp_path: Path, run: str, ref: dict[str, Any]) -> None:
+    """`run`'s DCP step directory of step 2 resumes on one process (plain training) and on
+    2 ranks as 2 pipeline stages, each to `ref`'s weights."""
+    step = tmp_path / run / "checkpoints" / "step_000000002"
     on_one = _reference(tmp_path, "one", resume_from=str(step))
     as_stages = run_ranks(fit_runs, 2, tmp_path, [{
         **GPT, "pp": 2, "batch_size": GLOBAL_BATCH, "output_dir": str(tmp_path / "pp"),
@@ -187,7 +182,7 @@ def test_pp2_x_tp2_on_4_ranks_equals_plain_with_accumulation_and_resumes_elsewhe
     }])[0][0]
     for resumed in (on_one, as_stages):
         assert resumed["resumed_from"] == str(step)
-        for name, value in plain["weights"].items():
+        for name, value in ref["weights"].items():
             torch.testing.assert_close(
                 resumed["weights"][name], value, atol=1e-5, rtol=0, msg=name
             )
