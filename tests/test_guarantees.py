@@ -193,3 +193,23 @@ def test_keep_last_never_prunes_the_best_dcp_step_directory(tmp_path: Path) -> N
     exported, final = load_file(str(out)), weights(run)
     assert exported.keys() == final.keys()
     assert any(not torch.equal(exported[k], final[k]) for k in final)  # epoch 1's, not 3's
+
+
+@pytest.mark.parametrize("fmt", ["file", "dcp"])
+def test_export_best_writes_the_best_epochs_weights(tmp_path: Path, fmt: str) -> None:
+    """`--export best` (as after early stopping): model.safetensors holds the best epoch's
+    checkpoint's weights, not the last step's; the summary names the checkpoint."""
+    run = tmp_path / "run"
+    assert main(["train", "--dataset", "guardplug:flipped", "--model", "mlp", "--batch_size",
+                 "16", "--epochs", "3", "--lr", "0.05", "--checkpoint_format", fmt,
+                 "--ema_decay", "0.5", "--export", "best", "--no-tensorboard",
+                 "--output_dir", str(run)]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["best_epoch"] == 1
+    best = run / "checkpoints" / ("best.pt" if fmt == "file" else "best")
+    assert main(["export", str(best), str(tmp_path / "best.safetensors")]) == 0
+    expected, got = load_file(str(tmp_path / "best.safetensors")), weights(run)
+    assert expected.keys() == got.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    assert "step_000000015" in summary["exported"] or summary["exported"].endswith("best.pt")

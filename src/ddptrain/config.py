@@ -311,6 +311,10 @@ class TrainingConfig:
         False, "with --ema_decay: model.safetensors holds the EMA weights (the raw ones go "
         "to model_raw.safetensors)",
     )
+    export: Literal["last", "best"] = _f(
+        "last", "the weights model.safetensors (and hf/) hold at the end: the last step's, or "
+        "those of the best validation epoch's checkpoint (as after --early_stopping)",
+    )
     seed: int = _f(42, "seed of weights, data split, shuffling and workers")
     dry_run: bool = _f(False, "print the run's plan and resolved config, then exit")
     run_id: str | None = _f(None, "the run's id (set by ddptrain on a fresh start, kept on resume)")

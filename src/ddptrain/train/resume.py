@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch.optim.lr_scheduler import LambdaLR
 
+from ddptrain.checkpoint.common import CheckpointError
+from ddptrain.checkpoint.dcp import BEST_DIR
 from ddptrain.checkpoint.manager import EMA_FILE_KEY
+from ddptrain.checkpoint.pt import BEST
 from ddptrain.checkpoint.rng import set_rng_state
 from ddptrain.checkpoint.schema import APPLIED, LAYOUT, Progress, changed, refuse_incompatible
 from ddptrain.parallel.base import hyperparameters
@@ -41,11 +45,7 @@ def restore(trainer: Trainer) -> str | None:
     # The run's own settings per group (lr, weight decay, ...), before the checkpoint's
     # overwrite them: the state is the checkpoint's, the settings the run's.
     fresh = [hyperparameters(g) for g in trainer.optimizer.param_groups]
-    ema = trainer.ema
-    sharded_ema = ema.state() if ema is not None and path.is_dir() and payload.get("ema") else None
-    trainer.checkpoints.load(path, payload, trainer.module, trainer.optimizer, sharded_ema)
-    if ema is not None and sharded_ema is None:
-        _restore_ema(ema, payload, str(path))
+    _load_weights(trainer, path, payload)
     _regroup(trainer, payload, fresh)
     trainer.model = trainer.strategy.resume_module(
         trainer.model, trainer.module, payload.get("strategy_state") or {}
@@ -62,6 +62,40 @@ def restore(trainer: Trainer) -> str | None:
         path, trainer.progress.epoch, trainer.progress.step,
     )
     return str(path)
+
+
+def take_best(trainer: Trainer) -> str | None:
+    """`--export best`: the weights (and EMA weights) of the best epoch's checkpoint, put
+    back into `trainer` so that the export holds them; its path. None, with a warning,
+    when no epoch was best (no validation ran) or its checkpoint is gone: the last weights
+    are exported then. Collective."""
+    checkpoints = trainer.checkpoints
+    name = BEST_DIR if checkpoints.sharded is not None else BEST
+    try:
+        found = checkpoints.locate(str(checkpoints.directory / name))
+    except CheckpointError as exc:
+        found = None
+        reason = str(exc)
+    else:
+        reason = "no checkpoint is named best"
+    if found is None:
+        log.warning("--export best: %s (no validation epoch was best?); the last weights "
+                    "are exported", reason)
+        return None
+    path, payload = found
+    _load_weights(trainer, path, payload)
+    log.info("--export best: the weights of %s (epoch %d, step %d)", path,
+             payload["epoch"], payload["step"])
+    return str(path)
+
+
+def _load_weights(trainer: Trainer, path: Path, payload: dict[str, Any]) -> None:
+    """A located checkpoint's weights, optimizer state and EMA weights into `trainer`."""
+    ema = trainer.ema
+    sharded_ema = ema.state() if ema is not None and path.is_dir() and payload.get("ema") else None
+    trainer.checkpoints.load(path, payload, trainer.module, trainer.optimizer, sharded_ema)
+    if ema is not None and sharded_ema is None:
+        _restore_ema(ema, payload, str(path))
 
 
 def _restore_ema(ema: EMA, payload: dict[str, Any], path: str) -> None:

@@ -68,7 +68,7 @@ from ddptrain.train.metrics import EpochMeter, MetricSums, reduce_snapshots
 from ddptrain.train.optim import build_optimizer, build_scheduler
 from ddptrain.train.plan import RunPlan, format_plan, make_plan
 from ddptrain.train.precision import Precision, resolve_precision
-from ddptrain.train.resume import restore
+from ddptrain.train.resume import restore, take_best
 from ddptrain.train.steer import SteeredStop, Steering, steering_hooks
 from ddptrain.train.stop import StopRequest
 from ddptrain.train.tasks import Scorer, Task, head_size, resolve_task
@@ -257,6 +257,8 @@ class Trainer:
                         break
             self.checkpoints.close()
             summary = self._summary(val)
+            if cfg.export == "best":
+                summary["exported"] = take_best(self) or "last"
             self._export()
             if ctx.is_main:
                 text = json.dumps(summary, indent=2) + "\n"
