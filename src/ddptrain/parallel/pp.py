@@ -60,6 +60,7 @@ from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh, tp_mesh
 from ddptrain.parallel.pp_hf import HFDecoderStage, check_hf_stages, is_hf_decoder
 from ddptrain.parallel.tp import by_layout, squared_norm, tensor_parallel
+from ddptrain.parallel.tp_hf import read_hf_config
 from ddptrain.plugins import load_ref
 
 log = logging.getLogger("ddptrain")
@@ -261,11 +262,12 @@ class Pipeline(FSDP):
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The global norm: each stage's (over its data-parallel and tp shards), summed over
         the stages; a parameter several stages hold counts once (on the first of them)."""
-        counted = by_layout([p for p in params if id(p) not in self._not_counted])
-        square = squared_norm(counted, self.ctx.device).reshape(1)
+        groups = by_layout(params)
+        counted = [[p for p in g if id(p) not in self._not_counted] for g in groups]
+        square = squared_norm([g for g in counted if g], self.ctx.device).reshape(1)
         dist.all_reduce(square, group=self._pp_group)
         total = square.sqrt().squeeze()
-        for group in by_layout(params):
+        for group in groups:
             nn.utils.clip_grads_with_norm_(group, max_norm, total)
         return total
 
@@ -316,13 +318,9 @@ def check_stages(config: Any, model: str, blocks: int, hf_directory: Path | None
     `hf_directory` (`--model hf:DIR`, read from its config.json) has units, is one line."""
     stages = config.pp * (2 if config.pp_schedule == "interleaved1f1b" else 1)
     if hf_directory is not None:
-        import transformers
-
-        try:
-            hf = transformers.AutoConfig.from_pretrained(hf_directory, local_files_only=True)
-        except Exception:
-            return  # a directory that cannot be read: the model's build reports it
-        check_hf_stages(hf, stages, f"--model {model}")
+        hf = read_hf_config(hf_directory)
+        if hf is not None:
+            check_hf_stages(hf, stages, f"--model {model}")
         return
     if model != "gpt":
         raise ConfigError(

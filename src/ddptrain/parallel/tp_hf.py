@@ -94,13 +94,21 @@ def check_hf_config(config: Any, tp: int, what: str) -> bool:
 def check_hf_dir(name: str, directory: Path, tp: int) -> None:
     """`check_hf_config` for `--model hf:DIR` (`name`), from its config.json alone; a
     directory that cannot be read is left to the model's build to report."""
+    config = read_hf_config(directory)
+    if config is not None:
+        check_hf_config(config, tp, f"--model {name}")
+
+
+def read_hf_config(directory: Path) -> Any | None:
+    """The transformers config in `directory` (its config.json alone), for the checks made
+    before the process group; None when it cannot be read (the model's build reports
+    that)."""
     import transformers
 
     try:
-        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+        return transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     except Exception:
-        return
-    check_hf_config(config, tp, f"--model {name}")
+        return None
 
 
 def _check_divides(tp: int, config: Any, fields: tuple[str, ...], what: str) -> None:
