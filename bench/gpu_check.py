@@ -59,10 +59,11 @@ SPEED_RUNS: list[tuple[int, list[str]]] = [
     (4, []), (8, []), (8, ["--activation_checkpointing"]),
     (8, ["--activation_checkpointing", "selective"]),
     (8, ["--strategy", "fsdp"]), (8, ["--float8", "tensorwise"]),
-    (8, ["--float8", "rowwise"]), (8, ["--compile"]),
+    (8, ["--float8", "rowwise"]), (8, ["--compile"]), (8, ["--float8", "tensorwise", "--compile"]),
 ]
 
-# name -> (ranks, flags, kind): "fp32" compared by weights, "amp" by loss, "info" recorded.
+# name -> (ranks, flags, kind): "fp32" compared by weights, "amp" by loss, "info" recorded,
+# "refused" must end with ddptrain's one line naming the way out.
 CHECKS: dict[str, tuple[int, list[str], str]] = {
     "plain fp32": (1, [], "fp32"),
     "zero": (1, ["--strategy", "zero"], "fp32"),
@@ -79,11 +80,20 @@ CHECKS: dict[str, tuple[int, list[str], str]] = {
         1, ["--use_amp", "--amp_dtype", "bfloat16", "--float8", "rowwise", "--strategy",
             "fsdp"], "amp"),
     "ddp 2 ranks (gloo)": (2, ["--backend", "gloo"], "fp32"),
-    "tp 2 (gloo)": (2, ["--backend", "gloo", "--tp", "2"], "fp32"),
-    "pp 2 (gloo)": (2, ["--backend", "gloo", "--pp", "2"], "fp32"),
+    # tp and pp on CUDA need NCCL, one GPU per rank: over gloo they are refused (checked)
+    "tp 2 (gloo): refused": (2, ["--backend", "gloo", "--tp", "2"], "refused"),
+    "pp 2 (gloo): refused": (2, ["--backend", "gloo", "--pp", "2"], "refused"),
     "ddp 2 ranks (nccl, one GPU)": (2, ["--backend", "nccl"], "info"),
     "torch.compile": (1, ["--compile"], "fp32"),
 }
+
+
+def speed_name(batch: int, flags: list[str]) -> str:
+    """A throughput run's name on the command line: b8, b8-activation_checkpointing-selective."""
+    return "-".join([f"b{batch}", *(f.lstrip("-") for f in flags)])
+
+
+SPEED_NAMES = [speed_name(b, f) for b, f in SPEED_RUNS]
 
 
 def env() -> dict[str, str]:
@@ -158,6 +168,8 @@ def checks(out: Path, results: dict[str, Any], save: Any, names: list[str]) -> N
             row.update(max_weight_diff=diff, val_loss=loss, ref_val_loss=ref_loss)
             rel = abs(loss - ref_loss) / abs(ref_loss)
             row["ok"] = diff <= FP32_TOL if kind != "amp" else rel <= AMP_LOSS_TOL
+        elif kind == "refused":
+            row.update(ok="use --backend nccl" in tail, tail=tail)
         else:
             row.update(ok=kind == "info", tail=tail)
         results["checks"][name] = row
@@ -208,7 +220,8 @@ def make_llama(directory: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def throughput(out: Path, results: dict[str, Any], save: Any) -> None:
+def throughput(out: Path, results: dict[str, Any], save: Any, names: list[str]) -> None:
+    """The SPEED_RUNS in `names`; each row replaces an earlier one of the same run."""
     model_dir = out / "llama-1b"
     results["llama_parameters"] = make_llama(model_dir)
     save()
@@ -216,6 +229,8 @@ def throughput(out: Path, results: dict[str, Any], save: Any) -> None:
     # where the machine has a tmpfs, so the run's time is mostly its steps
     scratch = Path("/dev/shm") if Path("/dev/shm").is_dir() else out
     for batch, flags in SPEED_RUNS:
+        if speed_name(batch, flags) not in names:
+            continue
         run = scratch / f"ddptrain-gpu-check-b{batch}"
         args = ["train", "--dataset", "bench.gpu_check:tokens", "--model", f"hf:{model_dir}",
                 "--block_size", str(SEQ), "--batch_size", str(batch), "--epochs", "1",
@@ -233,7 +248,9 @@ def throughput(out: Path, results: dict[str, Any], save: Any) -> None:
                        peak_gib=max(r.get("peak_cuda_mb", 0) for r in train) / 1024)
         else:
             row["tail"] = tail
-        results["throughput"].append(row)
+        rows = results["throughput"]
+        rows[:] = [r for r in rows if (r["batch"], r["flags"]) != (batch, row["flags"])]
+        rows.append(row)
         print(f"llama b{batch}: {row}", flush=True)
         save()
         shutil.rmtree(run, ignore_errors=True)
@@ -260,11 +277,15 @@ def gpu_info() -> dict[str, Any]:
 
 def section(results: dict[str, Any]) -> str:
     m = results["machine"]
+    earlier = [x["date_utc"] for x in results.get("earlier_machines", [])
+               if x["date_utc"] != m["date_utc"]]
     lines = [
         "## GPU", "",
         f"`make gpu-check` (bench/gpu_check.py), {m['date_utc']}: {m['gpu']} (capability "
         f"{m['capability']}, {m['gpu_memory_gib']} GiB), driver {m['driver']}, CUDA "
-        f"{m['cuda']}, torch {m['torch']}, {m['cores']} CPU cores.", "",
+        f"{m['cuda']}, torch {m['torch']}, {m['cores']} CPU cores."
+        + (f" Rows not run then come from the run(s) of {', '.join(earlier)} (`--update`), "
+           "on the same kind of card." if earlier else ""), "",
         "### Paths checked against a CPU reference", "",
         f"ddptrain's GPT (2 blocks, width 128) for 12 SGD steps; fp32 paths must end within "
         f"{FP32_TOL:g} of the CPU run's weights, autocast runs within {AMP_LOSS_TOL:.0%} of "
@@ -311,6 +332,12 @@ def section(results: dict[str, Any]) -> str:
         "trades for one more forward. fsdp on one rank costs nothing measurable over plain "
         "training.",
     ]
+    rows = results.get("throughput", [])
+    if any("float8" in r["flags"] and "compile" not in r["flags"] for r in rows) and not any(
+            "float8" in r["flags"] and "compile" in r["flags"] and not r["rc"] for r in rows):
+        lines[-1] += (" float8 without `--compile` runs torchao's scaling and casts as kernels "
+                      "of their own, slower than bf16 (ddptrain warns so); float8 under "
+                      "`--compile` is not measured yet.")
     return "\n".join(lines) + "\n"
 
 
@@ -323,6 +350,12 @@ def main() -> int:
     parser.add_argument("--skip", nargs="*", default=[], choices=["checks", "tests", "speed"])
     parser.add_argument("--checks", nargs="*", default=list(CHECKS), choices=list(CHECKS),
                         metavar="NAME", help="the checks to run (default: all)")
+    parser.add_argument("--speed", nargs="*", default=SPEED_NAMES, choices=SPEED_NAMES,
+                        metavar="RUN", help=f"the throughput runs (default: all: "
+                        f"{' '.join(SPEED_NAMES)})")
+    parser.add_argument("--update", type=Path, default=None,
+                        help="start from this earlier gpu_check.json: the rows run now "
+                        "replace its rows of the same name, the rest are kept")
     args = parser.parse_args()
     from bench.sharding import write_section
 
@@ -336,7 +369,12 @@ def main() -> int:
         print("gpu-check: no CUDA device here: nothing to check (run it on a GPU machine)")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"machine": gpu_info(), "checks": {}, "throughput": []}
+    results: dict[str, Any] = {"checks": {}, "throughput": []}
+    if args.update:
+        results = json.loads(args.update.read_text())
+        results["earlier_machines"] = [*results.get("earlier_machines", []),
+                                       results["machine"]]
+    results["machine"] = gpu_info()
     record = args.out / "gpu_check.json"
 
     def save() -> None:
@@ -349,7 +387,7 @@ def main() -> int:
     if "checks" not in args.skip:
         checks(args.out, results, save, [n for n in args.checks if n not in slow])
     if "speed" not in args.skip:
-        throughput(args.out, results, save)
+        throughput(args.out, results, save, args.speed)
     if "tests" not in args.skip:
         cuda_tests(results, save)
     if "checks" not in args.skip:

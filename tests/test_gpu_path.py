@@ -342,9 +342,6 @@ def test_nccl_aborts_a_hung_collective_instead_of_killing_the_process(
     assert seen["value"] is None  # gloo has no watchdog to set
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
-
 
 @pytest.mark.parametrize(
     ("visible", "local_rank", "want"),
@@ -412,3 +409,58 @@ def test_mfu_counts_a_hugging_face_models_flops() -> None:
     # forward and backward: at least 6 FLOPs per parameter per token of the matmuls
     matmul_params = sum(p.numel() for n, p in model.named_parameters() if "proj" in n)
     assert flops >= 6 * matmul_params * 16
+
+
+@pytest.mark.parametrize(
+    ("layout", "backend", "device", "refused"),
+    [({"tp": 2}, "gloo", "cuda", True), ({"pp": 2}, "gloo", "cuda", True),
+     ({"tp": 2, "pp": 2}, "gloo", "cuda", True), ({"tp": 2}, "auto", "cuda", False),
+     ({"pp": 2}, "nccl", "cuda", False), ({"pp": 2}, "gloo", "cpu", False),
+     ({}, "gloo", "cuda", False)],
+)
+def test_tp_and_pp_on_cuda_need_nccl(
+    layout: dict[str, int], backend: str, device: str, refused: bool
+) -> None:
+    """On an H200, pp over gloo ended in `writev: Bad address` (gloo cannot send a CUDA
+    tensor) and tp over gloo in a segfault (DTensor's functional all-gather): both are
+    refused before the process group, with the way out."""
+    from ddptrain.errors import ConfigError
+    from ddptrain.launch.process_group import resolve_backend
+
+    config = TrainingConfig(output_dir="unused", backend=backend,  # type: ignore[arg-type]
+                            **layout)
+    if refused:
+        with pytest.raises(ConfigError, match=r"on CUDA is unsupported.*use --backend nccl"):
+            resolve_backend(config, torch.device(device))
+    else:
+        assert resolve_backend(config, torch.device(device)) in ("gloo", "nccl")
+
+
+
+def test_gpu_check_reports_its_committed_figures_and_says_when_there_is_no_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`make gpu-check` without CUDA: one line, exit 0. Its committed figures
+    (bench/gpu_check.json, merged from two H200 runs with --update) render the GPU
+    section, each check with its verdict and the refused gloo layouts with their note."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root))
+    from bench import gpu_check
+
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--out", str(tmp_path / "out")])
+    assert gpu_check.main() == 0
+    assert capsys.readouterr().out.startswith("gpu-check: no CUDA device here")
+    assert not (tmp_path / "out").exists()
+    docs = tmp_path / "B.md"
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "--report_only",
+                                      str(root / "bench" / "gpu_check.json"), "--docs",
+                                      str(docs)])
+    assert gpu_check.main() == 0
+    text = docs.read_text()
+    assert "Rows not run then come from the run(s) of" in text
+    assert "| float8 tensorwise (bf16 autocast) | 1 |" in text
+    assert "| pp 2 (gloo) | 2 | - | - | failed (gloo cannot send a CUDA tensor" in text
+    assert "| 8 | `--compile` | 52,359 |" in text
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -63,6 +63,15 @@ def resolve_backend(config: TrainingConfig, device: torch.device) -> str:
             "--backend 'nccl' is invalid: NCCL needs CUDA devices and this process runs on CPU; "
             "use --backend gloo (or auto)"
         )
+    if config.backend == "gloo" and device.type == "cuda" and (config.tp > 1 or config.pp > 1):
+        # Measured on an H200: gloo's send of a CUDA tensor fails (writev: Bad address) and
+        # DTensor's functional all-gather over gloo on CUDA crashes the process.
+        raise ConfigError(
+            f"--backend gloo with --tp {config.tp} --pp {config.pp} on CUDA is unsupported: "
+            "gloo cannot send CUDA tensors between pipeline stages nor run tensor "
+            "parallelism's collectives on them; use --backend nccl (or auto) with one GPU "
+            "per rank, or --device cpu"
+        )
     return config.backend
 
 
