@@ -184,11 +184,11 @@ def section(results: dict[str, Any]) -> str:
         "",
         "The hand-written pipeline cuts the model with ddptrain's `GPTStage` and sums the tied "
         "embedding's gradient between the stages; the tensor-parallel loop applies "
-        "ddptrain's `parallelize_gpt`. The ratio is what ddptrain adds: under `--tp` alone "
-        "FSDP over a one-rank data-parallel mesh (so every parameter is a DTensor: torch's "
-        "fused optimizers take one kind of tensor at a time), under `--pp` alone nothing "
-        "around the stages; and for both the loss scaling, the metric sums and the finite "
-        "check of every step.",
+        "ddptrain's `parallelize_gpt`. Neither layout wraps anything around the model when it "
+        "takes every rank (no FSDP over a one-rank data-parallel mesh); the ratio is what "
+        "ddptrain adds: the loss scaling, the metric sums, the finite check of every step, "
+        "and the optimizer's groups split by kind of tensor (tp's DTensors apart from the "
+        "plain ones, as torch's foreach steps need).",
         "",
     ]
     return "\n".join(lines) + "\n"

@@ -53,16 +53,18 @@ def fit_in_group(ctx: DistributedContext, runs: list[dict[str, Any]]) -> list[di
             "summary": summary,
             "bytes": trainer.strategy.rank_bytes(trainer.module, trainer.optimizer),
             "resumed_from": trainer.resumed_from,
-            "held_whole": _held_whole(trainer.module) if config.tp > 1 else {},
+            "held_whole": held_whole(trainer.module) if config.tp > 1 else {},
         })
         del trainer, weights
         gc.collect()
     return results
 
 
-def _held_whole(module: Any) -> dict[str, Any]:
-    # FSDP over this rank alone wraps every parameter; the tp-split ones name "tp" in their mesh.
+def held_whole(module: Any) -> dict[str, Any]:
+    # The parameters tp does not split: plain tensors (DTensors on the data-parallel mesh
+    # alone under FSDP); the tp-split ones name "tp" in their mesh.
     return {
-        name: p.to_local().detach().clone() for name, p in module.named_parameters()
-        if isinstance(p, DTensor) and "tp" not in (p.device_mesh.mesh_dim_names or ())
+        name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in module.named_parameters()
+        if not isinstance(p, DTensor) or "tp" not in (p.device_mesh.mesh_dim_names or ())
     }

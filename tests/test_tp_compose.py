@@ -197,6 +197,9 @@ def watch_setup(ctx: DistributedContext, overrides: dict[str, Any]) -> dict[str,
         "held": held_bytes(trainer.module), "same": built[0] is trainer.module,
         "fsdp": sum(isinstance(m, FSDPModule) for m in trainer.module.modules()),
         "dtensors": sum(isinstance(p, DTensor) for p in trainer.module.parameters()),
+        "tied": len(list(trainer.module.named_parameters(remove_duplicate=False)))
+        > len(list(trainer.module.parameters())),  # a tensor under two names
+        "kinds": [{type(p).__name__ for p in g["params"]} for g in trainer.optimizer.param_groups],
         "state": {k: v.detach().clone() for k, v in state.items()},
     }
 
@@ -216,11 +219,45 @@ def test_tp_starts_on_the_meta_device_and_no_rank_ever_holds_the_whole_model(
         assert r["samples"] > 50, r["samples"]  # the watch saw the set-up's operations
         # Each rank's blocks are split in two; embeddings and norms stay whole (~55%).
         assert 0 < r["held"] <= r["peak"] <= 0.65 * whole_bytes, (rank, r["peak"], whole_bytes)
+        # tp takes every rank: no FSDP over one rank; the blocks' linears are DTensors, the
+        # rest plain, and the head is still the embedding's own tensor after the start
+        assert r["fsdp"] == 0 and r["dtensors"] == 16 and r["tied"], r
+        # ...and each optimizer group holds one kind, as torch's foreach steps need
+        assert sorted(len(k) for k in r["kinds"]) == [1] * len(r["kinds"]) == [1] * 4, r
     expected = whole.state_dict()
     got = ranks[0]["state"]
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
+
+
+def test_each_optimizer_group_holds_one_kind_of_tensor(tmp_path: Path) -> None:
+    """tp alone leaves the whole parameters plain beside the split DTensors; torch's
+    foreach steps (its default on a GPU) refuse a group that mixes them, so the groups
+    are split by kind, with their settings."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ddptrain.parallel.base import one_kind_per_group
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        split = nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
+        whole, bias = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+        for p in (split, whole, bias):
+            p.grad = torch.ones_like(p)
+        mixed = [{"params": [split, whole], "weight_decay": 0.1}, {"params": [bias]}]
+        with pytest.raises(RuntimeError, match=r"got mixed torch\.Tensor and DTensor"):
+            torch.optim.SGD(mixed, lr=0.1, momentum=0.9, foreach=True).step()
+        groups = one_kind_per_group(mixed)
+        assert [(g["params"], g.get("weight_decay")) for g in groups] == [
+            ([split], 0.1), ([whole], 0.1), ([bias], 0)]  # (SGD filled in its default)
+        torch.optim.SGD(groups, lr=0.1, momentum=0.9, foreach=True).step()
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- bytes per rank

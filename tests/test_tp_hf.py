@@ -14,8 +14,7 @@ import pytest
 import torch
 from conftest import run_cli
 from dist_utils import run_ranks
-from nd_workers import fit_runs
-from torch.distributed.tensor import DTensor
+from nd_workers import fit_runs, held_whole
 
 from ddptrain.config import TrainingConfig
 from ddptrain.data.sources import load_data
@@ -151,10 +150,7 @@ def _whole_parts_after_fit(rank: int, run: dict[str, Any]) -> dict[str, torch.Te
     try:
         trainer = Trainer(config, ctx, load_data(config))
         trainer.fit()
-        whole = {}
-        for name, p in trainer.module.named_parameters():
-            if isinstance(p, DTensor) and "tp" not in (p.device_mesh.mesh_dim_names or ()):
-                whole[name] = p.to_local().detach().clone()  # FSDP over 1 rank: all of it
+        whole = held_whole(trainer.module)
         clean = True
         return whole
     finally:

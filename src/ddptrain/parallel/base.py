@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
@@ -92,9 +93,8 @@ class Strategy:
         """The optimizer `spec` names over `groups` (param groups, each with its own
         settings), or over every trainable parameter of `module`."""
         cls, kwargs = spec
-        params: list[Any] = [p for p in module.parameters() if p.requires_grad]
-        params = groups or params
-        return cls(params, **kwargs)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        return cls(one_kind_per_group(groups or [{"params": trainable}]), **kwargs)
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """An optimizer the user built over the module's parameters, made this strategy's
@@ -253,3 +253,16 @@ def state_bytes(state: Any) -> int:
 
 def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def one_kind_per_group(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Optimizer parameter groups split so that each holds DTensors of one mesh or plain
+    tensors alone (same settings): torch's foreach and fused steps, its defaults on a GPU,
+    take one kind of tensor at a time."""
+    out: list[dict[str, Any]] = []
+    for group in groups:
+        kinds: dict[Any, list[nn.Parameter]] = {}
+        for p in group["params"]:
+            kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        out.extend({**group, "params": params} for params in kinds.values())
+    return out

@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ddptrain.data.batch import Output, parse_output
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.base import NO_CONTEXT, State, local_tensor, to_cpu
-from ddptrain.parallel.fsdp import FSDP
+from ddptrain.parallel.fsdp import FSDP, named_tensors, tensors_by_identity
 from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh, tp_mesh
 from ddptrain.parallel.pp_hf import HFDecoderStage, check_hf_stages, is_hf_decoder
 from ddptrain.parallel.tp import by_layout, squared_norm, tensor_parallel
@@ -73,8 +73,9 @@ _GATHERED = StateDictOptions(full_state_dict=True)  # each stage's tensors whole
 
 class Pipeline(FSDP):
     """Pipeline stages over the mesh's `pp` dimension, each stage sharded by FSDP over the
-    data-parallel dimensions; when pp takes every rank there is nothing to shard, and a
-    stage's parameters stay plain tensors (no FSDP hook runs in its steps).
+    data-parallel dimensions; without data-parallel ranks there is nothing to shard, and a
+    stage's parameters stay as they are, plain tensors or tp's DTensors (no FSDP hook runs
+    in its steps).
 
     Start-up is fsdp's where the model allows it: built on the meta device, cut into
     stages, each rank's stages sharded, and only then allocated and filled from rank 0's
@@ -100,7 +101,7 @@ class Pipeline(FSDP):
         # optimizer's state by its first name in the whole model; each stage keeps it
         # under the name its own modules give it.
         first = {id(p): name for name, p in module.named_parameters()}
-        whole = _tensors_by_identity(module)  # on meta: what the template will fill
+        whole = tensors_by_identity(module)  # on meta: what the template will fill
         self._ties = [names for names, _ in whole if len(names) > 1]  # for `model_state`
         _keep_only(module, views)
         # Autocast alone sets the compute precision, as in plain training: FSDP keeps its
@@ -110,9 +111,7 @@ class Pipeline(FSDP):
             name: first[id(p)] for name, p in module.named_parameters() if first[id(p)] != name
         }
         on_meta, self._on_meta = self._on_meta, False  # filled below, stage by stage
-        if self.ctx.data_world > 1 or split_layers:
-            # (under tp, FSDP even over one rank makes the whole tensors DTensors as the
-            # split ones are: torch's fused optimizers take one kind of tensor at a time)
+        if self.ctx.data_world > 1:
             self.views = [FSDP.setup_module(self, view) for view in views]
         else:  # no FSDP over one rank: its hooks would run for nothing in every step
             self.views = views
@@ -165,8 +164,8 @@ class Pipeline(FSDP):
         for view in self.views:
             view.to_empty(device=self.ctx.device)
         template, self._template = self._template, None
-        source = _named_tensors(template) if template is not None else {}
-        held = _named_tensors(module)
+        source = named_tensors(template) if template is not None else {}
+        held = named_tensors(module)
         for names, meta in whole:
             full = (source[names[0]].detach().to(self.ctx.device) if template is not None
                     else torch.empty(meta.shape, dtype=meta.dtype, device=self.ctx.device))
@@ -427,20 +426,6 @@ def _shared_parameters(
     shared = sorted(n for n, ranks in holders.items() if len(ranks) > 1)
     shapes = {n: every[holders[n][0]][n] for n in shared}
     return shapes, {n: holders[n][0] for n in shared}
-
-
-def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of `module` under each of its names."""
-    return {**dict(module.named_parameters(remove_duplicate=False)),
-            **dict(module.named_buffers(remove_duplicate=False))}
-
-
-def _tensors_by_identity(module: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-    """The module's tensors, each once, with all of its names (a tied one has several)."""
-    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
-    for name, t in _named_tensors(module).items():
-        groups.setdefault(id(t), ([], t))[0].append(name)
-    return list(groups.values())
 
 
 def _renamed(optim: State, names: dict[str, str]) -> State:

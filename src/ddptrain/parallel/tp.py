@@ -18,9 +18,9 @@ its heads' part of it). Embeddings, norms and the tied head stay whole on every 
 Any other model takes a plan of its own: `--tp_plan package.module:fn`, where
 `fn(model, tp_mesh)` parallelizes the model in place (`parallelize_module`).
 
-Every parameter then is a DTensor: the checkpoint's state is the whole model's under its
-own names (`get_state_dict` gathers or reshards), and the gradient norm is the true global
-one, whichever mesh each parameter lives on.
+The split parameters are DTensors, and under FSDP every parameter is: the checkpoint's
+state is the whole model's under its own names (`get_state_dict` gathers or reshards), and
+the gradient norm is the true global one, whichever mesh (or none) each parameter lives on.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -47,7 +48,8 @@ from torch.distributed.tensor.parallel import (
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.fsdp import FSDP
+from ddptrain.parallel.base import NO_CONTEXT
+from ddptrain.parallel.fsdp import FSDP, retie, tensors_by_identity
 from ddptrain.parallel.mesh import tp_mesh
 from ddptrain.parallel.tp_hf import hf_tp_plan
 from ddptrain.plugins import load_ref
@@ -58,25 +60,35 @@ TPPlan = Callable[[nn.Module, DeviceMesh], Any]
 
 class TensorParallel(FSDP):
     """Tensor parallelism over the mesh's `tp` dimension, then FSDP over its data-parallel
-    dimensions (one rank each when tp takes every rank: FSDP then only makes every
-    parameter a DTensor, so all of them clip, checkpoint and export alike).
+    dimensions. When tp takes every rank there is nothing to shard: no FSDP (its hooks
+    would run in every step for nothing), the split parameters are DTensors on the tp
+    mesh and the whole ones (norms, embeddings) plain tensors, equal on every tp rank.
 
     Start-up is fsdp's (`FSDP.build_module`): the model is built on the meta device, split
-    by the plan and sharded there, and each rank then allocates only its own slices and
+    by the plan (and sharded), and each rank then allocates only its own slices and
     fills them from rank 0's seeded template in host memory, so no rank's device ever
     holds the whole model and the weights are those of a whole-model start."""
 
     name = "tp"
 
+    @property
+    def _data_parallel(self) -> bool:
+        return self.ctx.data_world > 1
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         tensor_parallel(module, self.config, self.ctx)
-        if self.ctx.data_world == 1:
-            # fsdp computes with low-precision copies of the weights to halve its
-            # all-gathers; with tp on every rank it gathers nothing, and those copies
-            # would put the residual stream in bf16. Autocast alone keeps fp32 weights and
-            # lowers the matmuls only, as plain training does: 0.1% of it, not 5%.
-            self.param_dtype = None
-        return super().setup_module(module)
+        if self._data_parallel:
+            return super().setup_module(module)
+        if self._on_meta:
+            ties = [names for names, t in tensors_by_identity(module)
+                    if len(names) > 1 and isinstance(t, nn.Parameter)]
+            self._materialise(module)
+            retie(module, ties)
+        self._root, self._blocks = module, self._units(module)
+        return module
+
+    def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
+        return super().no_backward_sync(model, skip) if self._data_parallel else NO_CONTEXT
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         groups = by_layout(params)
