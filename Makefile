@@ -5,24 +5,31 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+RUNTIME := $(VENV)/.runtime-0.5
 STAMP  := $(VENV)/.installed-0.5
 
 .PHONY: setup demo test test-fast test-slow test-heavy lint typecheck clean
 
 setup: $(STAMP)
 
-# torch (pip takes the CPU build) and numpy first, alone; then the rest through uv, which
+# torch (pip takes the CPU build) and numpy first, alone; then ddptrain through uv, which
 # resolves, downloads and compiles on every core (about 45 s where pip takes 3 on 2 cores) and
 # keeps the installed torch, pinned. Modules are compiled at install: where
 # PYTHONDONTWRITEBYTECODE is set (as on CI), nothing compiled later is kept, and each
-# process would compile them again.
-$(STAMP): pyproject.toml
+# process would compile them again. The demo needs the runtime alone (ddptrain and its
+# curves); the tests, lint and typecheck add the dev toolchain (transformers, Ray, MLflow,
+# W&B, kubernetes, torchao, pytest, ruff, mypy) on top.
+$(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 numpy uv
+	$(PY) -m uv pip install --quiet --python $(PY) --compile-bytecode -e '.[viz]' torch==2.13.0
+	touch $(RUNTIME)
+
+$(STAMP): $(RUNTIME)
 	$(PY) -m uv pip install --quiet --python $(PY) --compile-bytecode -e '.[dev,viz]' torch==2.13.0
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m ddptrain train \
 		--dataset breast_cancer --batch_size 8 --epochs 10 \
 		--output_dir runs/demo-$$(date +%Y%m%d-%H%M%S)

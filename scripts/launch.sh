@@ -78,7 +78,7 @@ fi
 [[ -n "$PYTHON" ]] || die "no python found: set PYTHON=/path/to/python (with ddptrain installed)"
 
 source "$repo/scripts/rdzv.sh"
-# `python -m torch.distributed.run` is torchrun, run by the interpreter that has ddptrain.
+# torchrun (`ddptrain.launch.torchrun`, below), run by the interpreter that has ddptrain.
 # torchrun reads PET_* itself as the defaults of its flags; every flag it needs is given
 # here, so what it reads is what this script decided.
 args=(--nproc_per_node="$NPROC_PER_NODE" --max_restarts="$MAX_RESTARTS")
@@ -131,7 +131,9 @@ fi
 # and it becomes ours.
 exit_file="$(mktemp "${TMPDIR:-/tmp}/ddptrain-exit.XXXXXXXX")"
 export DDPTRAIN_EXIT_FILE="$exit_file"
-"$PYTHON" -m torch.distributed.run "${args[@]}" -m ddptrain "$COMMAND" "$@" &
+# torchrun's agent, reporting a failed job as ddptrain does (src/ddptrain/launch/torchrun.py):
+# the ranks' own lines last, with their code, not torchrun's traceback.
+"$PYTHON" -m ddptrain.launch.torchrun "${args[@]}" -m ddptrain "$COMMAND" "$@" &
 child=$!
 watchdog=""
 if [[ "$NNODES" != 1 ]]; then

@@ -173,7 +173,7 @@ def test_launch_sh_gives_torchrun_the_operators_rendezvous_port(
     res = _launch({**pet, "PYTHON": str(logging_python(tmp_path))}, tmp_path)
     assert res.returncode == 0, res.stderr
     [argv] = torchrun_argv(tmp_path)
-    assert argv[:2] == ["-m", "torch.distributed.run"], argv
+    assert argv[:2] == ["-m", "ddptrain.launch.torchrun"], argv
     assert f"--rdzv_endpoint={endpoint}" in argv and "--nnodes=2" in argv, argv
 
 

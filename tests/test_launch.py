@@ -34,6 +34,42 @@ def test_default_is_one_node_standalone(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 1
 
 
+@pytest.mark.slow
+def test_a_failed_job_ends_with_the_ranks_line_and_code_not_torchruns_traceback(
+    tmp_path: Path,
+) -> None:
+    """Through launch.sh (torchrun's agent, `ddptrain.launch.torchrun`), a job whose ranks
+    refuse the config ends with their `ddptrain: error:` lines and exit 2: no
+    ChildFailedError traceback, no start-up banner, not torchrun's exit 1."""
+    res = launch(["--epochs", "0", "--output_dir", "run"], tmp_path, timeout=120,
+                 NPROC_PER_NODE="2")
+    assert res.returncode == 2, res.stderr[-3000:]
+    # (the agent stops the other rank once one has failed: it may not get to say it)
+    lines = {x.removeprefix("[rank 1] ") for x in res.stderr.splitlines() if x.strip()}
+    assert lines == {"ddptrain: error: --epochs 0 is invalid: use a whole number of at least 1"
+                     }, res.stderr[-3000:]
+
+
+def test_a_rank_killed_by_a_signal_is_one_line_and_128_plus_its_number() -> None:
+    """A rank with an exit code said why itself; one killed by a signal could not, so the
+    launcher says it (and how many other ranks the job stopped)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from ddptrain.launch.torchrun import failure_report
+
+    def failed(rank: int, code: int) -> ProcessFailure:
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code,
+                              error_file="<N/A>")
+
+    killed = {0: failed(0, -15), 1: failed(1, -9)}
+    assert failure_report(killed, 1) == (
+        "ddptrain: error: rank 1 (pid 101) was killed by SIGKILL (often the out-of-memory "
+        "killer); the job stopped its 1 other failed rank(s); restart the job with "
+        "--resume_from auto", 137)
+    assert failure_report({3: failed(3, -6)}, 3)[1] == 134
+    assert failure_report({0: failed(0, 3), 1: failed(1, -15)}, 0) == (None, 3)
+
+
 @pytest.mark.parametrize(
     ("env", "needle"),
     [

@@ -90,7 +90,7 @@ echo "ddptrain slurm: job $job restart ${SLURM_RESTART_COUNT:-0}:" \
     "$SLURM_NNODES node(s) x $NPROC_PER_NODE rank(s), rendezvous $head:$port"
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 \
     bash "$root/scripts/slurm/step.sh" "$marker" \
-    "$PYTHON" -m torch.distributed.run \
+    "$PYTHON" -m ddptrain.launch.torchrun \
     --nnodes="$SLURM_NNODES" --nproc_per_node="$NPROC_PER_NODE" \
     --rdzv_backend=c10d --rdzv_endpoint="$head:$port" --rdzv_id="$SLURM_JOB_ID" \
     --rdzv_conf="$DDPTRAIN_RDZV_CONF" \
