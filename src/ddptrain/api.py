@@ -152,28 +152,12 @@ def resolve_run(
             f"--channels_last needs image data (N, C, H, W), and --dataset {config.dataset!r} "
             f"gives samples of shape {data.input_shape}: drop the flag"
         )
-    if config.tp > 1 and model is None and config.tp_plan is None:
-        from ddptrain.models.factory import model_name
-        from ddptrain.models.gpt import DEFAULT_N_HEAD
-        from ddptrain.models.hf import hf_dir, is_hf_ref
-        from ddptrain.parallel.tp import check_gpt_split
+    if model is None and (config.tp > 1 or config.pp > 1):
+        from ddptrain.models.factory import model_shape
+        from ddptrain.parallel.resolve import check_model_layout
 
-        name = model_name(config, data)
-        if name == "gpt":  # its heads split over the tp ranks
-            tokens = data.input_shape[0] if config.sequence_parallel else None
-            check_gpt_split(config.tp, DEFAULT_N_HEAD, tokens)
-        elif is_hf_ref(name):
-            from ddptrain.parallel.tp_hf import check_hf_dir
-
-            check_hf_dir(name, hf_dir(name), config.tp)
-    if config.pp > 1 and model is None and config.pp_split is None:
-        from ddptrain.models.factory import model_name
-        from ddptrain.models.gpt import DEFAULT_N_LAYER
-        from ddptrain.models.hf import hf_dir, is_hf_ref
-        from ddptrain.parallel.pp import check_stages
-
-        name = model_name(config, data)
-        check_stages(config, name, DEFAULT_N_LAYER, hf_dir(name) if is_hf_ref(name) else None)
+        tokens = data.input_shape[0] if data.input_shape else None
+        check_model_layout(config, model_shape(config, data), tokens)
     if not hasattr(task, "loss"):  # a built-in name, or None: the config's --task
         task = resolve_task(config if task is None else _with_task(config, task), data.facts)
     return Resolved(config, cluster, device, backend, precision, strategy, data, task)

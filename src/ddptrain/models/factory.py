@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -16,7 +18,8 @@ from torch import nn
 from ddptrain.config import TrainingConfig
 from ddptrain.data import DataBundle
 from ddptrain.errors import ConfigError
-from ddptrain.models.hf import build_hf, is_hf_ref
+from ddptrain.models.gpt import DEFAULT_N_HEAD, DEFAULT_N_LAYER
+from ddptrain.models.hf import build_hf, hf_dir, is_hf_ref
 from ddptrain.models.nets import MLP, MiniResNet
 from ddptrain.plugins import call_factory
 
@@ -45,6 +48,24 @@ def model_name(config: TrainingConfig, data: DataBundle) -> str:
     if config.model != "auto":
         return config.model
     return "gpt" if data.facts.vocab_size else "miniresnet" if data.is_image else "mlp"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the layout checks (`parallel.resolve.check_model_layout`) read of the model a
+    config names, before it is built: its name, the built-in GPT's heads and blocks, a
+    Hugging Face model's directory (its config.json)."""
+
+    name: str
+    heads: int
+    blocks: int
+    hf_directory: Path | None
+
+
+def model_shape(config: TrainingConfig, data: DataBundle) -> ModelShape:
+    name = model_name(config, data)
+    return ModelShape(name, DEFAULT_N_HEAD, DEFAULT_N_LAYER,
+                      hf_dir(name) if is_hf_ref(name) else None)
 
 
 def create_model(

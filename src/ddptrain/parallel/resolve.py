@@ -9,6 +9,7 @@ builds the strategy the same choice names.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,8 +21,9 @@ from ddptrain.parallel.ddp import DDP
 from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.memory import device_memory, implied_bytes, largest_models
 from ddptrain.parallel.mesh import MeshLayout, plan_mesh
-from ddptrain.parallel.pp import Pipeline
-from ddptrain.parallel.tp import TensorParallel
+from ddptrain.parallel.pp import Pipeline, check_stages
+from ddptrain.parallel.tp import TensorParallel, check_gpt_split
+from ddptrain.parallel.tp_hf import check_hf_dir
 from ddptrain.parallel.zero import Zero
 
 STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "zero": Zero, "fsdp": FSDP}
@@ -154,3 +156,18 @@ def _refuse(flag: str, value: object, strategy: str) -> None:
         f"{shown} is an fsdp setting and --strategy is {strategy!r}: add --strategy fsdp, "
         "or drop the flag"
     )
+
+
+def check_model_layout(config: TrainingConfig, shape: Any, tokens: int | None) -> None:
+    """Before the process group: the model a config names (`shape`, a
+    `models.factory.ModelShape`) against --tp and --pp, where ddptrain's own plans split
+    it (no --tp_plan, no --pp_split): the GPT's heads (and under --sequence_parallel its
+    `tokens`) divided by tp, a Hugging Face model's config.json, enough units for the
+    stages; each mismatch is one line."""
+    if config.tp > 1 and config.tp_plan is None:
+        if shape.name == "gpt":
+            check_gpt_split(config.tp, shape.heads, tokens if config.sequence_parallel else None)
+        elif shape.hf_directory is not None:
+            check_hf_dir(shape.name, shape.hf_directory, config.tp)
+    if config.pp > 1 and config.pp_split is None:
+        check_stages(config, shape.name, shape.blocks, shape.hf_directory)

@@ -169,3 +169,26 @@ def summarize(task: Task, names: tuple[str, ...], totals: list[float]) -> dict[s
     if count <= 0:
         return {"loss": float("nan"), "samples": samples}
     return {**task.summarize(named, count), "samples": samples}
+
+
+class Sync:
+    """When the next metric all-reduce is due, and the train rows it will complete."""
+
+    def __init__(self, step: int, every: int) -> None:
+        self.rows: list[tuple[torch.Tensor, tuple[dict[str, Any], Any]]] = []
+        self.restart(step, every)
+
+    def restart(self, step: int, every: int) -> None:
+        self.rows.clear()
+        self.step, self.every, self.t = step, every, time.perf_counter()
+
+    def due(self, step: int) -> bool:
+        return step - self.step >= self.every
+
+
+def improves(score: float, best: float, mode: str) -> bool:
+    if score != score:  # NaN is never better
+        return False
+    if best != best:
+        return True
+    return score > best if mode == "max" else score < best

@@ -64,7 +64,7 @@ from ddptrain.parallel.mesh import attach_mesh
 from ddptrain.parallel.parts import prepare_module
 from ddptrain.train.ema import EMA
 from ddptrain.train.evaluate import Evaluator
-from ddptrain.train.metrics import EpochMeter, MetricSums, reduce_snapshots
+from ddptrain.train.metrics import EpochMeter, MetricSums, Sync, improves, reduce_snapshots
 from ddptrain.train.optim import build_optimizer, build_scheduler
 from ddptrain.train.plan import RunPlan, format_plan, make_plan
 from ddptrain.train.precision import Precision, resolve_precision
@@ -309,7 +309,7 @@ class Trainer:
         history["samples"] += train["samples"]
         history["train_time_s"] += time.perf_counter() - t0
         score = val.get(self.task.best, float("nan"))
-        improved = history["best"] is None or _better(score, history["best"], self.task.mode)
+        improved = history["best"] is None or improves(score, history["best"], self.task.mode)
         if improved:
             history["best"], history["best_epoch"] = score, epoch
         self.progress.epoch, self.progress.samples_in_epoch = epoch, 0
@@ -593,26 +593,3 @@ class Trainer:
             "checkpoint %s%s%s", path, " (best so far)" if best else "",
             " (being written in the background)" if self.checkpoints.background else "",
         )
-
-
-class Sync:
-    """When the next metric all-reduce is due, and the train rows it will complete."""
-
-    def __init__(self, step: int, every: int) -> None:
-        self.rows: list[tuple[torch.Tensor, tuple[dict[str, Any], Any]]] = []
-        self.restart(step, every)
-
-    def restart(self, step: int, every: int) -> None:
-        self.rows.clear()
-        self.step, self.every, self.t = step, every, time.perf_counter()
-
-    def due(self, step: int) -> bool:
-        return step - self.step >= self.every
-
-
-def _better(score: float, best: float, mode: str) -> bool:
-    if score != score:  # NaN is never better
-        return False
-    if best != best:
-        return True
-    return score > best if mode == "max" else score < best
