@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain.config import ConfigError, TrainingConfig, build_parser, parse_config
+from ddptrain.config import ConfigError, TrainingConfig
+from ddptrain.config_cli import build_parser, parse_config
 
 
 def test_every_field_is_a_flag_with_its_default_and_help() -> None:
@@ -37,7 +38,7 @@ def test_yaml_values_sit_under_flags(tmp_path: Path) -> None:
 
 
 def test_resolved_config_round_trips(tmp_path: Path) -> None:
-    from ddptrain.config import dump_yaml
+    from ddptrain.config_cli import dump_yaml
 
     cfg = parse_config(["--dataset", "digits", "--lr", "0.2", "--max_grad_norm", "2"])
     dump_yaml(cfg, tmp_path / "config.yaml")

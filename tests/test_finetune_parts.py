@@ -25,7 +25,8 @@ from procs import assert_bitwise, assert_same_log, sigkill_then_resume, weights
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from ddptrain.config import TrainingConfig, parse_config
+from ddptrain.config import TrainingConfig
+from ddptrain.config_cli import parse_config
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.parts import freeze, prepare_module
 from ddptrain.train.optim import param_groups
@@ -128,7 +129,7 @@ def test_flags_parse_and_bad_values_are_refused() -> None:
         == "selective"
     assert TrainingConfig(activation_checkpointing=True).validate().activation_checkpointing \
         == "block"
-    from ddptrain.config import _coerce
+    from ddptrain.config_cli import _coerce
 
     assert _coerce("activation_checkpointing", False) == "off"
     for argv, fix in [

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from conftest import REPO
 
-from ddptrain.config import parse_config
+from ddptrain.config_cli import parse_config
 from ddptrain.errors import EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_USAGE
 from ddptrain.launch.rundir import resolve_layout
 

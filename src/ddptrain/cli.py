@@ -25,7 +25,8 @@ from typing import Any
 
 from ddptrain import __version__
 from ddptrain.api import fit
-from ddptrain.config import ErrorParser, TrainingConfig, parse_config
+from ddptrain.config import TrainingConfig
+from ddptrain.config_cli import ErrorParser, parse_config
 from ddptrain.errors import (
     EXIT_INTERRUPTED,
     EXIT_PEER_LOST,

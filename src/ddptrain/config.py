@@ -1,8 +1,9 @@
 """The single source of truth for every setting of a run.
 
 `TrainingConfig` is a dataclass; the `ddptrain train` flags, their defaults and their help
-text are generated from its fields, a YAML file given with `--config` fills in values under
-the command line, and `validate()` refuses bad values before any process group starts.
+text are generated from its fields (`config_cli`), a YAML file given with `--config` fills
+in values under the command line, and `validate()` refuses bad values before any process
+group starts.
 
     ddptrain train --dataset digits --epochs 3 --batch_size 32
     ddptrain train --config run.yaml --lr 0.05      # the flag wins over the file
@@ -10,18 +11,11 @@ the command line, and `validate()` refuses bad values before any process group s
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import sys
-import types
-import typing
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NoReturn
-
-import yaml
 
 from ddptrain.errors import ConfigError
 
@@ -31,7 +25,7 @@ BUILTIN_TASKS = ("auto", "classification", "regression", "multilabel", "lm")
 BUILTIN_OPTIMIZERS = ("sgd", "adamw")
 BUILTIN_SCHEDULERS = ("cosine",)
 
-__all__ = ["ConfigError", "TrainingConfig", "parse_config"]
+__all__ = ["ConfigError", "TrainingConfig"]
 
 
 def _f(default: Any, help: str) -> Any:
@@ -504,230 +498,6 @@ def _bad(name: str, value: Any, fix: str) -> NoReturn:
     raise ConfigError(f"--{name} {value!r} is invalid: {fix}")
 
 
-# ---------------------------------------------------------------------- CLI generation
-class ErrorParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one `ddptrain: error:` line, exit code 2, and
-    takes every flag spelled in full: an abbreviation (`--ep 2` for `--epochs 2`) would
-    change meaning the day a flag that shares its prefix is added."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(message)
-
-
-def _field_type(tp: Any) -> tuple[Any, bool]:
-    """Return (base type, optional?) for `X | None` / `Optional[X]` annotations."""
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
-        (inner,) = [a for a in args if a is not type(None)]
-        return inner, True
-    return tp, False
-
-
-def _converter(name: str, tp: Any) -> Any:
-    base, optional = _field_type(tp)
-    if typing.get_origin(base) is Literal:
-        return str
-    if base is bool:
-        return _parse_bool
-
-    def convert(text: str) -> Any:
-        if optional and text.lower() in ("none", "null", ""):
-            return None
-        try:
-            return base(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected {base.__name__}, got {text!r}"
-            ) from None
-
-    convert.__name__ = base.__name__
-    return convert
-
-
-def _parse_pair(text: str) -> tuple[str, Any]:
-    """`key=value`; the value is read as YAML, so 3 is an int, true a bool, a/b a string."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
-    try:
-        return key, yaml.safe_load(value) if value else ""
-    except yaml.YAMLError:
-        return key, value
-
-
-def _parse_glob_pair(text: str) -> tuple[str, Any]:
-    """`GLOB=value`: a key that is a pattern of names (`layers.*.bias=0.1`)."""
-    key, sep, value = text.rpartition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected GLOB=VALUE, got {text!r}")
-    try:
-        return key, yaml.safe_load(value) if value else ""
-    except yaml.YAMLError:
-        return key, value
-
-
-class _MergePairs(argparse.Action):
-    """`--model_args a=1 b=x --model_args c=2` -> {'a': 1, 'b': 'x', 'c': 2}."""
-
-    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
-        merged = dict(getattr(namespace, self.dest) or {})
-        merged.update(values)
-        setattr(namespace, self.dest, merged)
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = str(text).lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field, spelled as the field (`--batch_size`, `--no-use_amp`)."""
-    parser.add_argument(
-        "--config", metavar="FILE.yaml", help="YAML file of field: value (flags override it)"
-    )
-    hints = typing.get_type_hints(TrainingConfig)
-    for f in dataclasses.fields(TrainingConfig):
-        tp = hints[f.name]
-        base, _ = _field_type(tp)
-        missing = f.default is dataclasses.MISSING
-        default = f.default_factory() if missing else f.default  # type: ignore[operator]
-        help_text = f"{f.metadata['help']} (default: {default})"
-        if typing.get_origin(base) is dict:
-            globs = f.metadata.get("glob_keys", False)
-            parser.add_argument(
-                f"--{f.name}", type=_parse_glob_pair if globs else _parse_pair, nargs="+",
-                action=_MergePairs, default={}, metavar="GLOB=VALUE" if globs else "KEY=VALUE",
-                help=help_text,
-            )
-            continue
-        if typing.get_origin(base) is list:
-            parser.add_argument(
-                f"--{f.name}", nargs="+", action="extend", default=[], metavar="GLOB",
-                help=help_text,
-            )
-            continue
-        if base is bool:
-            parser.add_argument(
-                f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default,
-                help=help_text,
-            )
-            continue
-        choices = typing.get_args(base) if typing.get_origin(base) is Literal else None
-        metavar = None if choices else base.__name__.upper()
-        # A choice the flag means when given alone (`--activation_checkpointing`)
-        bare = {"nargs": "?", "const": f.metadata["bare"]} if "bare" in f.metadata else {}
-        parser.add_argument(
-            f"--{f.name}", type=_converter(f.name, tp), default=f.default, choices=choices,
-            metavar=metavar, help=help_text, **bare,
-        )
-
-
 def _recompute_mode(on: bool) -> Any:
     """--activation_checkpointing as a yes/no (older run directories, `True` in Python)."""
     return "block" if on else "off"
-
-
-def _coerce(name: str, value: Any) -> Any:
-    """Check a YAML value against the field's type, as the flag's parser would."""
-    tp = typing.get_type_hints(TrainingConfig)[name]
-    base, optional = _field_type(tp)
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{name}: null is invalid in the config file: give a value")
-    if typing.get_origin(base) is Literal:
-        choices = typing.get_args(base)
-        if isinstance(value, bool) and name == "activation_checkpointing":
-            return _recompute_mode(value)  # written before the flag took a mode
-        if value not in choices:
-            raise ConfigError(f"{name}: {value!r} in the config file is invalid: choose {choices}")
-        return value
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name}: {value!r} in the config file is invalid: use true or false")
-    if typing.get_origin(base) is dict:
-        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-            return value
-        raise ConfigError(f"{name}: {value!r} in the config file is invalid: use a mapping")
-    if typing.get_origin(base) is list:
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return value
-        raise ConfigError(f"{name}: {value!r} in the config file is invalid: use a list")
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if base is int and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if not isinstance(value, base) or isinstance(value, bool):
-        raise ConfigError(
-            f"{name}: {value!r} in the config file is invalid: expected {base.__name__}"
-        )
-    return value
-
-
-def load_yaml(path: str) -> dict[str, Any]:
-    """Read a config file; unknown keys and wrong types are errors, not silent no-ops."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(
-            f"--config {path!r} cannot be read ({exc.strerror}): check the path"
-        ) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"--config {path!r} is not valid YAML{where}: fix the file") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path!r} must hold a mapping of field: value")
-    names = {f.name for f in dataclasses.fields(TrainingConfig)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(
-            f"--config {path!r} has unknown field(s) {', '.join(map(str, unknown))}: "
-            "see 'ddptrain train --help' for the field names"
-        )
-    return {key: _coerce(key, value) for key, value in data.items()}
-
-
-def build_parser(prog: str = "ddptrain train") -> argparse.ArgumentParser:
-    parser = ErrorParser(prog=prog, description="Train a model with DistributedDataParallel.")
-    add_config_arguments(parser)
-    return parser
-
-
-def config_file_fields(argv: Sequence[str]) -> dict[str, Any]:
-    """The fields of the `--config FILE.yaml` among `argv`; none without one."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config")
-    known, _ = pre.parse_known_args(list(argv))
-    return load_yaml(known.config) if known.config else {}
-
-
-def parse_config(argv: list[str] | None = None) -> TrainingConfig:
-    """Parse flags over an optional YAML file over the dataclass defaults, then validate."""
-    argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    parser.set_defaults(**config_file_fields(argv))
-    args = vars(parser.parse_args(argv))
-    args.pop("config")
-    return TrainingConfig(**args).validate()
-
-
-def dump_yaml(config: TrainingConfig, path: Path) -> None:
-    """Write the resolved config so the run can be repeated with `--config`."""
-    from ddptrain.files import atomic_write_text
-
-    atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ddptrain.config import ConfigError, ErrorParser
+from ddptrain.config import ConfigError
+from ddptrain.config_cli import ErrorParser
 from ddptrain.launch.cluster import ClusterEnv, read_cluster_env
 
 EXIT_UNREACHABLE = 1

@@ -30,7 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddptrain.config import ErrorParser, TrainingConfig, parse_config
+from ddptrain.config import TrainingConfig
+from ddptrain.config_cli import ErrorParser, parse_config
 from ddptrain.errors import EXIT_PEER_LOST, ConfigError, TrainingStopped
 from ddptrain.launch.rundir import new_run_id, refuse_occupied, resolve_layout
 from ddptrain.observe.hooks import Hook

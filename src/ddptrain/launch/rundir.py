@@ -34,7 +34,8 @@ from typing import IO, Any
 
 import yaml
 
-from ddptrain.config import TrainingConfig, dump_yaml, names_code
+from ddptrain.config import TrainingConfig, names_code
+from ddptrain.config_cli import dump_yaml
 from ddptrain.errors import ConfigError
 from ddptrain.files import LOCK_NAME
 
