@@ -10,12 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from conftest import run_cli
 from dist_utils import run_ranks
 from safetensors.torch import load_file
 from torch.utils.data import TensorDataset
 from workers import run_training
 
+from ddptrain.cli import main
 from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError
 
@@ -166,7 +168,9 @@ def test_samples_of_unequal_size_without_a_collate_say_so_in_one_line(
     assert "--collate" in last and "Traceback" not in proc.stderr
 
 
-def test_collate_in_the_python_api_and_its_flag_checked(tmp_path: Path) -> None:
+def test_collate_in_the_python_api_and_its_flag_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from userdata_plug import BagOfTokens, pad, sequences
 
     import ddptrain
@@ -177,6 +181,24 @@ def test_collate_in_the_python_api_and_its_flag_checked(tmp_path: Path) -> None:
         model=BagOfTokens(2), datasets=sequences(None), collate=pad,
     )
     assert summary["steps"] == 10
+    # What ran is not in its config: config.yaml says which fields objects stood in for,
+    # and what would rebuild the run from it asks for them instead of using the defaults.
+    run = tmp_path / "api"
+    stored = yaml.safe_load((run / "config.yaml").read_text())
+    assert stored["given_in_python"] == ["model", "dataset", "collate"]
+    assert main(["evaluate", str(run)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"ddptrain: error: {str(run / 'model.safetensors')!r} was trained on the model and "
+        "dataset and collate given to ddptrain.fit as Python objects, which its config "
+        "cannot name: pass the same objects (ddptrain.evaluate(..., model=..., datasets=..., "
+        "collate=...)), or name them with --model ... --dataset ... --collate ..."]
+    assert main(["train", "--config", str(run / "config.yaml"), "--output_dir",
+                 str(tmp_path / "again")]) == 2
+    assert "were Python objects given to ddptrain.fit" in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
+    figures = ddptrain.evaluate(run, model=BagOfTokens(2), datasets=sequences(None),
+                                collate=pad)
+    assert figures["loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
     with pytest.raises(ConfigError, match="--collate 'pad' is invalid"):
         TrainingConfig(collate="pad").validate()
     # a model named as --model names it, as a collate function as --collate does

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddptrain.config import TrainingConfig
+from ddptrain.config import OBJECT_FIELDS, TrainingConfig
 from ddptrain.errors import ConfigError, TrainingStopped
 from ddptrain.launch.rundir import (
     RunClaim,
@@ -96,6 +96,9 @@ def fit(
     if isinstance(model, str):
         fields, model = {**fields, "model": model}, None
     run = resolve_run(_resolve_config(config, fields), datasets, task, model, collate)
+    # config.yaml and the checkpoints say which fields Python objects stood in for
+    given = _given(model, datasets, task, collate)
+    run = dataclasses.replace(run, config=dataclasses.replace(run.config, given_in_python=given))
     config = run.config
     if config.dry_run:
         if run.cluster.rank == 0:
@@ -344,6 +347,13 @@ def _refuse_unfit_init(run: Resolved, model: Any) -> None:
     check_fit(module, Path(config.init_from), config.init_strict)
 
 
+def _given(model: Any, datasets: Any, task: Any, collate: Any) -> list[str]:
+    """The config fields Python objects stand in for (a name as a string is the field's)."""
+    objects = {"model": model, "dataset": datasets, "collate": collate,
+               "task": task if hasattr(task, "loss") else None}
+    return [name for name in OBJECT_FIELDS if objects[name] is not None]
+
+
 def _with_task(config: TrainingConfig, task: str) -> TrainingConfig:
     return dataclasses.replace(config, task=task)
 
@@ -477,7 +487,7 @@ def predict(
 
     rows, _, _, _ = _after_training(
         source, argv, fields, model, datasets, None, collate, work, "ddptrain predict",
-        trust_checkpoint_code,
+        trust_checkpoint_code, needs=("model", "dataset", "collate"),  # no loss: no task
     )
     return int(rows)
 
@@ -485,7 +495,7 @@ def predict(
 def _after_training(
     source: str | Path, argv: Sequence[str], fields: dict[str, Any], model: Any,
     datasets: Any, task: Any, collate: Any, work: Callable[[Resolved, Any, Any], Any],
-    prog: str, trust_code: bool,
+    prog: str, trust_code: bool, needs: Sequence[str] = tuple(OBJECT_FIELDS),
 ) -> tuple[Any, Path, TrainingConfig, int]:
     """Rebuild a trained model from its run's config on every rank, load its weights,
     call `work(run, ctx, module)` in a process group and tear the group down."""
@@ -495,9 +505,10 @@ def _after_training(
     if isinstance(collate, str):
         fields, collate = {**fields, "collate": collate}, None
     found = find_source(Path(source))
+    # (a task named by a string names the field as --task does)
     objects = {"model": model, "dataset": datasets, "task": task, "collate": collate}
     given = [name for name, obj in objects.items() if obj is not None]
-    config = source_config(found, argv, fields, prog, given, trust_code)
+    config = source_config(found, argv, fields, prog, given, trust_code, needs)
     run = resolve_run(config, datasets, task, model, collate)
     ctx = setup_distributed(run.config, run.cluster, run.device, run.backend)
     clean = False

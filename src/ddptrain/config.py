@@ -312,6 +312,9 @@ class TrainingConfig:
     seed: int = _f(42, "seed of weights, data split, shuffling and workers")
     dry_run: bool = _f(False, "print the run's plan and resolved config, then exit")
     run_id: str | None = _f(None, "the run's id (set by ddptrain on a fresh start, kept on resume)")
+    given_in_python: list[str] = field(default_factory=list, metadata={"internal": True, "help": (
+        "the fields Python objects stood in for (`ddptrain.fit(model=..., datasets=...)`): "
+        "what ran is not in this config, and `evaluate`, `predict` and `--config` say so")})
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -345,6 +348,9 @@ class TrainingConfig:
             value = getattr(self, name)
             if value < 1:
                 _bad(name, value, "use a whole number of at least 1")
+        strangers = sorted(set(self.given_in_python) - set(OBJECT_FIELDS))
+        if strangers:
+            _bad("given_in_python", strangers, f"name fields of {', '.join(OBJECT_FIELDS)}")
         if isinstance(self.activation_checkpointing, bool):  # Python's True: the flag alone
             self.activation_checkpointing = _recompute_mode(self.activation_checkpointing)
         for f in dataclasses.fields(self):  # nan compares false with every bound: first
@@ -484,6 +490,8 @@ def _is_import_ref(value: str) -> bool:
 # The fields whose value can name code a run imports and calls (`package.module:fn`).
 CODE_FIELDS = ("dataset", "collate", "model", "task", "optimizer", "scheduler", "tp_plan",
                "pp_split")
+# The fields a Python object can stand in for, and the `fit` argument that gives it.
+OBJECT_FIELDS = {"model": "model", "dataset": "datasets", "task": "task", "collate": "collate"}
 
 
 def names_code(field: str, value: Any) -> bool:

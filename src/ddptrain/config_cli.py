@@ -112,6 +112,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
     hints = typing.get_type_hints(TrainingConfig)
     for f in dataclasses.fields(TrainingConfig):
+        if f.metadata.get("internal"):  # ddptrain's record, not a setting
+            continue
         tp = hints[f.name]
         base, _ = _field_type(tp)
         missing = f.default is dataclasses.MISSING
@@ -233,9 +235,17 @@ def parse_config(argv: list[str] | None = None) -> TrainingConfig:
     """Parse flags over an optional YAML file over the dataclass defaults, then validate."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    parser.set_defaults(**config_file_fields(argv))
+    stored = config_file_fields(argv)
+    parser.set_defaults(**stored)
     args = vars(parser.parse_args(argv))
-    args.pop("config")
+    file = args.pop("config")
+    unnamed = [n for n in args.pop("given_in_python", []) if args[n] == stored.get(n)]
+    if unnamed:
+        raise ConfigError(
+            f"--config {file!r} is of a run whose {' and '.join(unnamed)} were Python objects "
+            f"given to ddptrain.fit, which the file cannot name: give "
+            f"{' '.join(f'--{n} ...' for n in unnamed)}, or train from Python again"
+        )
     return TrainingConfig(**args).validate()
 
 

@@ -33,7 +33,7 @@ from ddptrain.checkpoint import (
 )
 from ddptrain.checkpoint.common import check_model_state
 from ddptrain.checkpoint.dcp import follow_pointer, is_whole
-from ddptrain.config import CODE_FIELDS, TrainingConfig, names_code
+from ddptrain.config import CODE_FIELDS, OBJECT_FIELDS, TrainingConfig, names_code
 from ddptrain.config_cli import build_parser, config_file_fields, load_yaml
 from ddptrain.context import DistributedContext
 from ddptrain.data import DataBundle, ModelCall, make_val_loader
@@ -123,6 +123,7 @@ def newest_checkpoint(run_dir: Path, config: Mapping[str, Any] | None = None) ->
 def source_config(
     source: Source, argv: Sequence[str] = (), fields: Mapping[str, Any] | None = None,
     prog: str = "ddptrain evaluate", given: Collection[str] = (), trust_code: bool = False,
+    needs: Collection[str] = tuple(OBJECT_FIELDS),
 ) -> TrainingConfig:
     """The run's config with the user's `--config` file, then `argv` (any `ddptrain train`
     flag), then `fields` over it, validated; what only a training run means (resuming, a
@@ -146,6 +147,18 @@ def source_config(
             args[name] = stored.get(name, defaults[name])
         else:
             named.add(name)
+    # A run fit() trained on Python objects: its config names defaults, not what ran.
+    missing = [n for n in stored.get("given_in_python", []) if n not in named and n in needs]
+    if missing:
+        what = " and ".join(missing)
+        objects = ", ".join(f"{OBJECT_FIELDS[n]}=..." for n in missing)
+        raise ConfigError(
+            f"{str(source.weights)!r} was trained on the {what} given to ddptrain.fit as "
+            f"Python objects, which its config cannot name: pass the same objects "
+            f"(ddptrain.{prog.split()[-1]}(..., {objects})), or name them with "
+            f"{' '.join(f'--{n} ...' for n in missing)}"
+        )
+    args["given_in_python"] = [n for n in OBJECT_FIELDS if n in given]
     stored_code = [n for n in CODE_FIELDS if n not in named and n not in _NOT_AFTER
                    and names_code(n, args[n])]
     if stored_code and not trust_code:
