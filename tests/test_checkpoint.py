@@ -197,3 +197,48 @@ def test_export_writes_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture
         capsys, ["export", str(run / "checkpoints" / LATEST), str(out)]
     )
     assert main(["export", str(run / "checkpoints" / LATEST), str(out), "--overwrite"]) == 0
+
+
+# ---------------------------------------------------------------- streamed .pt saves
+def test_a_pt_save_streams_to_its_file_without_a_copy_in_memory(tmp_path: Path) -> None:
+    """The state goes straight to the file: no serialised copy of it is held (on rank 0 at
+    10-100 GB that copy was a host OOM). tracemalloc sees Python's buffers, where that
+    copy lived; the tensors' own memory is not counted."""
+    import tracemalloc
+
+    from ddptrain.checkpoint.common import atomic_save
+
+    payload = {"w": torch.zeros(2 * 2**20)}  # 8 MiB
+    tracemalloc.start()
+    try:
+        atomic_save(payload, tmp_path / "s.pt")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak  # the state is 8 MiB
+    assert torch.equal(torch.load(tmp_path / "s.pt")["w"], payload["w"])
+
+
+def test_a_pt_save_on_a_full_disk_raises_its_oserror_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """torch's zip writer turns a failed write into a RuntimeError about file positions;
+    the save raises the OSError (ENOSPC) it was, and neither the file nor its temporary
+    remains."""
+    import errno
+    import subprocess
+
+    from ddptrain.checkpoint.common import atomic_save
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        with pytest.raises(OSError) as caught:
+            atomic_save({"w": torch.zeros(2**20)}, mount / "s.pt")  # 4 MiB
+        assert caught.value.errno == errno.ENOSPC
+        assert list(mount.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -12,7 +12,6 @@ trusts the file.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import shutil
@@ -78,17 +77,39 @@ def atomic_save(payload: dict[str, Any], path: Path, links: tuple[Path, ...] = (
     it. Damage to those bytes reaches every name, and the checksums catch it on resume.
     A filesystem without hard links gets copies, with one warning.
     """
-    # Serialized in memory first: torch's zip writer reports a full disk as a RuntimeError
-    # about file positions, a plain write as the OSError (ENOSPC, EDQUOT) it is.
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
     with staged(path) as tmp:
+        # Streamed to the file: no second copy of the state in memory. torch's zip writer
+        # reports a failed write (a full disk) as a RuntimeError about file positions; the
+        # sink keeps the OSError (ENOSPC, EDQUOT), which is raised as it is.
         with tmp.open("wb") as f:
-            f.write(buffer.getbuffer())
-        del buffer
+            sink = _Sink(f)
+            try:
+                torch.save(payload, sink)  # type: ignore[arg-type]  # write and flush suffice
+            except RuntimeError:
+                if sink.error is not None:
+                    raise sink.error from None
+                raise
         for name in links:
             with staged(name) as other:
                 _link_or_copy(tmp, other)
+
+
+class _Sink:
+    """A file torch.save writes through, keeping the OSError of a failed write."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self.file.write(data))
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 _warned_copies: list[bool] = []
