@@ -3,11 +3,12 @@ test tiers, and the guard that keeps several processes out of the fast one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +162,17 @@ def plain_gpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[st
 def plain(plain_gpt: Callable[..., dict[str, Any]]) -> dict[str, Any]:
     """The plain run of the layout tests' GPT job that every layout must equal."""
     return plain_gpt()
+
+
+@contextlib.contextmanager
+def tmpfs(mount: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs mounted at `mount` with `options` (`size=1m`: a disk that fills up),
+    unmounted after; the test is skipped where mounting needs root."""
+    mount.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tmpfs
 from safetensors.torch import load_file
 
 from ddptrain.checkpoint.manager import find_resumable, load_checkpoint
@@ -226,19 +227,11 @@ def test_a_pt_save_on_a_full_disk_raises_its_oserror_and_leaves_nothing(
     the save raises the OSError (ENOSPC) it was, and neither the file nor its temporary
     remains."""
     import errno
-    import subprocess
 
     from ddptrain.checkpoint.common import atomic_save
 
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                      capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tmpfs(tmp_path / "small", "size=256k") as mount:
         with pytest.raises(OSError) as caught:
             atomic_save({"w": torch.zeros(2**20)}, mount / "s.pt")  # 4 MiB
         assert caught.value.errno == errno.ENOSPC
         assert list(mount.iterdir()) == []
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tmpfs
 
 from ddptrain.cli import main
 from ddptrain.files import file_crc
@@ -136,36 +137,23 @@ def test_run_logs_that_cannot_be_written_are_one_line(
     metrics.write_bytes(rows)
 
     # a read-only TensorBoard directory (a read-only tmpfs over it)
-    board = run / "tensorboard"
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(board)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tmpfs(run / "tensorboard", "size=64k,ro"):
         err = _one_line(capsys, again)
         assert "cannot write the run's log" in err and "Read-only file system" in err
         assert metrics.read_bytes() == rows  # left as it was
-    finally:
-        subprocess.run(["umount", "-l", str(board)], check=False)
     assert main(again) == 0  # and the corrected directory resumes
 
 
 def test_a_read_only_run_directory_is_refused_at_the_start_with_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tmpfs(tmp_path / "ro", "size=8m") as mount:
         run = mount / "run"
         base = ["train", "--batch_size", "64", "--output_dir", str(run)]
         assert main([*base, "--epochs", "1"]) == 0
         subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
         err = _one_line(capsys, [*base, "--epochs", "2", "--resume_from", "auto"])
         assert "is not writable (Read-only file system)" in err and str(run) in err
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.mark.slow
@@ -186,12 +174,7 @@ def test_a_log_that_fails_mid_run_stops_every_rank_with_exit_74(tmp_path: Path) 
     from ddptrain.checkpoint.pt import list_checkpoints
     from ddptrain.errors import EXIT_IO
 
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tmpfs(tmp_path / "small", "size=1m") as mount:
         run, ckpt = mount / "run", tmp_path / "ckpt"
         args = ["train", "--dataset", "digits", "--model", "mlp", "--batch_size", "4",
                 "--width", "16", "--epochs", "1", "--log_interval", "1", "--save_every_steps", "20",
@@ -228,8 +211,6 @@ def test_a_log_that_fails_mid_run_stops_every_rank_with_exit_74(tmp_path: Path) 
         steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()
                  if '"train"' in x]
         assert steps == list(range(1, len(steps) + 1))  # every step once, no gap
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def run_ranks_by_hand(args: list[str], cwd: Path) -> list[int]:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, child_env, run_cli, run_torchrun, write_npz
+from conftest import REPO, child_env, run_cli, run_torchrun, tmpfs, write_npz
 from dist_utils import run_ranks
 from procs import (  # noqa: F401  (reap: an autouse fixture)
     popen,
@@ -315,12 +315,7 @@ def test_summary_covers_every_resume_and_the_best_checkpoint_survives(tmp_path: 
 def test_a_full_disk_is_one_line_on_every_rank_and_the_last_checkpoint_survives(
     tmp_path: Path,
 ) -> None:
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(mount)],
-                      capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tmpfs(tmp_path / "small", "size=1200k") as mount:
         run = mount / "run"
         proc = run_torchrun(2, [*LONG, "--epochs", "20", "--output_dir", str(run)],
                             cwd=tmp_path)
@@ -334,8 +329,6 @@ def test_a_full_disk_is_one_line_on_every_rank_and_the_last_checkpoint_survives(
         assert "Traceback" not in "\n".join(errors)
         newest = list_checkpoints(run / "checkpoints")[0]
         assert load_checkpoint(newest, torch.device("cpu"))["step"] > 0
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_divergence_leaves_a_good_checkpoint_that_resumes_with_a_lower_lr(
