@@ -147,7 +147,8 @@ while :; do
     wait "$child" || rc=$?
     kill -0 "$child" 2>/dev/null || break  # a trap ended `wait` early: wait again
 done
-[[ -n "$watchdog" ]] && kill "$watchdog" 2>/dev/null
+# (a watchdog that saw the agent end first is gone already: not a failure, under set -e)
+if [[ -n "$watchdog" ]]; then kill "$watchdog" 2>/dev/null || true; fi
 if [[ "$rc" -ne 0 && -s "$exit_file" ]]; then
     rc="$(<"$exit_file")"
 fi
