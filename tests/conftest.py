@@ -97,13 +97,31 @@ _DIST_VARS = {
 }
 
 
+# ---------------------------------------------------------------- curves.png
+# Drawing a run's curves.png costs a CPU-second a run (a child importing matplotlib) and
+# the job waits for it. Test runs leave it out unless they name --curves: the jobs the
+# helpers below start get --no-curves, and in-process runs find no matplotlib unless the
+# test is marked `curves`. tests/test_observability.py checks the drawing itself.
+def no_curves(args: list[str]) -> list[str]:
+    """`ddptrain train ARGS` with --no-curves, unless ARGS name --curves/--no-curves."""
+    if args[:1] != ["train"] or {"--curves", "--no-curves"} & set(args):
+        return list(args)
+    return ["train", "--no-curves", *args[1:]]
+
+
+@pytest.fixture(autouse=True)
+def _no_curves_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("curves") is None:
+        monkeypatch.setattr("ddptrain.observe.plot.matplotlib_available", lambda: False)
+
+
 def run_cli(
     args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
-    """`python -m ddptrain ARGS` as a user would run it."""
+    """`python -m ddptrain ARGS` as a user would run it (`no_curves`)."""
     return subprocess.run(
-        [sys.executable, "-m", "ddptrain", *args], cwd=cwd, env=child_env(env), text=True,
-        capture_output=True, timeout=timeout,
+        [sys.executable, "-m", "ddptrain", *no_curves(args)], cwd=cwd, env=child_env(env),
+        text=True, capture_output=True, timeout=timeout,
     )
 
 
@@ -111,10 +129,10 @@ def run_torchrun(
     nproc: int, args: list[str], cwd: Path, env: dict[str, str] | None = None,
     timeout: float = 300, torchrun_args: list[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """`torchrun --standalone --nproc_per_node=N -m ddptrain ARGS`."""
+    """`torchrun --standalone --nproc_per_node=N -m ddptrain ARGS` (`no_curves`)."""
     cmd = [
         str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
-        *(torchrun_args or []), "-m", "ddptrain", *args,
+        *(torchrun_args or []), "-m", "ddptrain", *no_curves(args),
     ]
     return subprocess.run(
         cmd, cwd=cwd, env=child_env(env), text=True, capture_output=True, timeout=timeout

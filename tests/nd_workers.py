@@ -21,7 +21,7 @@ from ddptrain.train.trainer import Trainer
 # clipped away.
 GPT = dict(
     dataset="chars", block_size=64, width=64, epochs=1, optimizer="sgd", lr=0.5,
-    momentum=0.9, max_grad_norm=1.9, log_interval=1, seed=3,
+    momentum=0.9, max_grad_norm=1.9, log_interval=1, seed=3, curves=False,
 )
 GLOBAL_BATCH = 128
 

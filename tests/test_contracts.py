@@ -39,7 +39,7 @@ from ddptrain.train.resume import _restore_ema
 TINY = dict(
     dataset="contractplug:tokens", block_size=16, width=16, epochs=2, batch_size=32,
     optimizer="sgd", lr=0.5, momentum=0.9, max_grad_norm=0.6, log_interval=1, seed=3,
-    tensorboard=False,
+    tensorboard=False, curves=False,
 )
 EMA_RUN = {**TINY, "batch_size": 16, "ema_decay": 0.8, "save_every_steps": 3}
 RUNS = ("pp", "tp_accum", "tp_dropout", "ema_ddp", "ema_ddp_resumed", "ema_fsdp",

@@ -25,15 +25,10 @@ from ddptrain.checkpoint import list_checkpoints, list_step_dirs
 from ddptrain.cli import main
 
 
-@pytest.fixture(autouse=True)
-def _no_curves(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The curves' drawing child costs seconds per run and plays no part here.
-    monkeypatch.setattr("ddptrain.observe.plot.matplotlib_available", lambda: False)
-
-
 def _job(data: Path) -> list[str]:
     return ["train", "--dataset", str(data), "--model", "mlp", "--width", "16",
             "--batch_size", "16", "--epochs", "1", "--num_workers", "0", "--no-tensorboard",
+            "--no-curves",
             "--optimizer", "adamw", "--weight_decay", "0.1"]
 
 
@@ -42,12 +37,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path
     """Two finished one-process runs: one writes .pt files, the other DCP step directories."""
     root = tmp_path_factory.mktemp("sources")
     data = write_npz(root / "data.npz", 160)
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr("ddptrain.observe.plot.matplotlib_available", lambda: False)
     for name, fmt in (("pt", "file"), ("dcp", "dcp")):
         assert main([*_job(data), "--lr", "0.05", "--checkpoint_format", fmt,
                      "--output_dir", str(root / name)]) == 0
-    monkey.undo()
     yield {"data": data, "pt": root / "pt", "dcp": root / "dcp"}
 
 
@@ -123,11 +115,9 @@ def test_a_damaged_checkpoint_is_refused(
     assert not out.exists()
 
 
-def _fit_without_curves(rank: int, job: dict[str, Any]) -> None:
-    import ddptrain.observe.plot
+def _fit(rank: int, job: dict[str, Any]) -> None:
     from ddptrain import TrainingConfig, fit
 
-    ddptrain.observe.plot.matplotlib_available = lambda: False  # as `_no_curves`
     fit(TrainingConfig(**job))
 
 
@@ -141,9 +131,10 @@ def test_initial_weights_reach_every_rank(
     checkpoints = sources[kind] / "checkpoints"
     source = list_checkpoints(checkpoints)[0] if kind == "pt" else list_step_dirs(checkpoints)[0]
     job = dict(dataset=str(sources["data"]), model="mlp", width=16, batch_size=8, epochs=1,
-               num_workers=0, tensorboard=False, optimizer="adamw", lr=0.0, strategy=strategy,
+               num_workers=0, tensorboard=False, curves=False, optimizer="adamw", lr=0.0,
+               strategy=strategy,
                init_from=str(source), output_dir=str(tmp_path / "run"))
-    run_ranks(_fit_without_curves, 2, tmp_path, job)
+    run_ranks(_fit, 2, tmp_path, job)
     assert_bitwise(weights(tmp_path / "run"), weights(sources[kind]))
 
 

@@ -170,7 +170,6 @@ def test_a_bit_flipped_in_any_field_is_damage_not_a_silent_resume(
     of `samples_in_epoch`, `step`, the scheduler's `last_epoch` or the config's dataset,
     in a `.pt` or a step directory's `meta.pt`, and the checkpoint is refused."""
     run = tmp_path / "run"
-    monkeypatch.setattr("ddptrain.observe.plot.matplotlib_available", lambda: False)
     assert main(["train", "--dataset", "digits", "--model", "mlp", "--epochs", "1",
                  "--batch_size", "512",
                  "--no-tensorboard", "--checkpoint_format", fmt,
@@ -194,7 +193,6 @@ def test_a_bit_flipped_in_any_field_is_damage_not_a_silent_resume(
 def test_a_step_directory_that_lost_a_file_is_skipped_with_one_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("ddptrain.observe.plot.matplotlib_available", lambda: False)
     job = ["train", "--dataset", "digits", "--model", "mlp", "--batch_size", "512",
            "--no-tensorboard",
            "--checkpoint_format", "dcp", "--output_dir", str(tmp_path / "run")]

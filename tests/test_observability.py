@@ -88,6 +88,14 @@ def test_every_run_leaves_curves_png(run_dir: Path) -> None:
     assert not list(run_dir.glob(".curves.png.*"))  # no half-drawn temporary left
 
 
+@pytest.mark.curves
+def test_no_curves_draws_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--no-curves", "--dataset", "breast_cancer", "--epochs", "1",
+                 "--no-tensorboard", "--output_dir", str(out)]) == 0
+    assert (out / "metrics.jsonl").is_file() and not list(out.glob("*curves*"))
+
+
 def test_a_drawing_that_fails_is_one_warning_line(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

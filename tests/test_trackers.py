@@ -106,6 +106,7 @@ def assert_same_metrics(client: Any, run: Any, rows: list[dict[str, Any]]) -> No
 
 
 @needs_mlflow
+@pytest.mark.curves
 def test_run_holds_config_metrics_and_artifacts(tmp_path: Path) -> None:
     run_dir = tmp_path / "first"
     train(run_dir, "--epochs", "2")

@@ -33,8 +33,6 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    # curves.png is drawn in seconds this test does not need; the artifact lists what is there
-    monkeypatch.setattr("ddptrain.observe.plot.matplotlib_available", lambda: False)
 
 
 def records(path: Path) -> Iterator[Any]:

@@ -283,6 +283,10 @@ class TrainingConfig:
     tensorboard: bool = _f(
         True, "write TensorBoard event files when the tensorboard package is installed"
     )
+    curves: bool = _f(
+        True, "draw curves.png at the end (rank 0, in a child process: about a CPU-second; "
+        "--no-curves for sweeps); needs matplotlib (ddptrain[viz])",
+    )
     tracker: Literal["none", "mlflow", "wandb"] = _f(
         "none", "experiment tracker: mlflow logs params, metrics and artifacts to "
         "MLFLOW_TRACKING_URI (default: a store in the run directory); wandb to Weights & "

@@ -2,9 +2,10 @@
 
 The trainer never asks which strategy runs. It hands `build_module` a way to build the
 model, calls `setup_module` and `build_optimizer` once (and `compile` under `--compile`),
-wraps the micro-steps that must not reduce gradients in `no_backward_sync`, uses
-`clip_grad_norm` / `grads_finite` on the optimizer step, and moves state in and out
-through `full_state` / `sharded_state` / `load_state`.
+runs each micro-batch through `forward_backward` (a plain forward, or a pipeline's
+schedule), uses `clip_grad_norm` / `grads_finite` on the optimizer step, `forward` and
+`share_buffers` to evaluate, and moves state in and out through `full_state` /
+`sharded_state` / `load_state`.
 
 | strategy | parameters | gradients | optimizer state | what |
 | --- | --- | --- | --- | --- |
@@ -29,6 +30,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -49,6 +51,12 @@ OptimizerSpec = tuple[type[torch.optim.Optimizer], dict[str, Any]]
 # A context that does nothing, reusable: the step enters one or two per micro-batch.
 NO_CONTEXT = contextlib.nullcontext()
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# The scaled loss of a forward's output, to run backward from: `loss(output, rows)`, `rows`
+# None for the whole micro-batch, or (a pipeline's last stage, a micro-batch at a time)
+# the rows of the batch `output` holds, rows past the batch's end being padding.
+BatchLoss = Callable[[Any, "torch.Tensor | None"], torch.Tensor]
+# The forward's precision: a new autocast context per call.
+Autocast = Callable[[], AbstractContextManager[Any]]
 # Builds the model, seeded, with its tensors on the device it is given (the meta device
 # included): the same weights on every rank and every call.
 ModelBuilder = Callable[[torch.device], nn.Module]
@@ -59,7 +67,6 @@ class Strategy:
 
     name = "single process"
     even_forwards = False  # must every rank run the same number of forward passes?
-    pipelined = False  # does a batch flow through stages (`forward_backward`)?
     _full_load = StateDictOptions()  # a whole state loads as it is into a whole module
 
     def __init__(
@@ -106,10 +113,29 @@ class Strategy:
         """Inside, backward only accumulates gradients locally (when `skip`)."""
         return NO_CONTEXT
 
+    def forward_backward(
+        self, call: Callable[[nn.Module, Any], Any], model: nn.Module, inputs: Any,
+        loss: BatchLoss, sync: bool, autocast: Autocast,
+    ) -> None:
+        """One micro-batch forward and backward: the forward under `autocast`, backward
+        from `loss(output, None)`. Gradients are reduced over the ranks only when `sync`
+        (the accumulation window's last micro-batch)."""
+        with self.no_backward_sync(model, skip=not sync):
+            with autocast():
+                out = call(model, inputs)
+            loss(out, None).backward()
+
     def forward(self, call: Callable[[nn.Module, Any], Any], module: nn.Module, inputs: Any) -> Any:
         """Forward only (evaluation): the model's output for `inputs`, or None on a rank
         that holds no output (a pipeline's earlier stages)."""
         return call(module, inputs)
+
+    def share_buffers(self, module: nn.Module) -> None:
+        """Collective. Before evaluation: every rank's buffers (batch norm's running
+        statistics) as rank 0's, so each rank scores its shard with the same model."""
+        if self.ctx.distributed:
+            for buf in module.buffers():
+                dist.broadcast(buf, src=0)
 
     def finish_gradients(self) -> None:
         """Once the window's last backward is done, before clipping and the step."""

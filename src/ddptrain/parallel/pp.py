@@ -55,7 +55,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ddptrain.data.batch import Output, parse_output
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.base import NO_CONTEXT, State, local_tensor, to_cpu
+from ddptrain.parallel.base import (
+    NO_CONTEXT,
+    Autocast,
+    BatchLoss,
+    State,
+    local_tensor,
+    to_cpu,
+)
 from ddptrain.parallel.fsdp import FSDP, named_tensors, tensors_by_identity
 from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh, tp_mesh
 from ddptrain.parallel.pp_hf import HFDecoderStage, check_hf_stages, is_hf_decoder
@@ -64,7 +71,6 @@ from ddptrain.parallel.tp_hf import read_hf_config
 from ddptrain.plugins import load_ref
 
 log = logging.getLogger("ddptrain")
-StageLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 SCHEDULES = {
     "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
 }
@@ -83,7 +89,6 @@ class Pipeline(FSDP):
     and the weights are those of a whole-model start."""
 
     name = "pp"
-    pipelined = True
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         mesh = pp_mesh(self.ctx)
@@ -145,7 +150,7 @@ class Pipeline(FSDP):
                 f"over {stages} stages: {exc}; choose another --pp_microbatches"
             ) from exc
         self.is_last = mine[-1] == stages - 1
-        self._stage_loss: StageLoss | None = None
+        self._stage_loss: BatchLoss | None = None
         log.debug("pp: stages %s of %d, %d micro-batches", mine, stages, self.micro)
         return module
 
@@ -186,18 +191,25 @@ class Pipeline(FSDP):
     def compile(self, model: Any) -> Any:
         raise ConfigError("--compile with --pp is unsupported: drop one of them")
 
-    def forward_backward(self, inputs: Any, loss: StageLoss) -> None:
-        """One batch through the pipeline, forward and backward: `loss(output, rows)` is
-        called on the last stage for each micro-batch, `rows` its rows in `inputs` (a
-        CPU tensor, read without waiting for the device; rows past the batch's length
-        are padding, to leave out)."""
+    def forward_backward(
+        self, call: Any, model: nn.Module, inputs: Any, loss: BatchLoss, sync: bool,
+        autocast: Autocast,
+    ) -> None:
+        """One batch through the pipeline's schedule, forward and backward, under
+        `autocast`: `loss(output, rows)` is called on the last stage for each of its
+        micro-batches, `rows` their rows in `inputs` (a CPU tensor, read without waiting
+        for the device). Each schedule step reduces its stages' gradients (`sync` or not)."""
         padded, rows = self._pad(inputs)
         self._stage_loss = loss
         try:
-            self.schedule.step(padded, target=rows if self.is_last else None,
-                               return_outputs=False)
+            with autocast():
+                self.schedule.step(padded, target=rows if self.is_last else None,
+                                   return_outputs=False)
         finally:
             self._stage_loss = None
+
+    def share_buffers(self, module: nn.Module) -> None:
+        """The stages hold different buffers: each keeps its own."""
 
     def _loss(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         # Evaluation asks too, and so does the stages' shape inference before a schedule's

@@ -47,9 +47,7 @@ class Evaluator:
         """`filler`: model inputs for the forwards a rank runs in step with its peers
         once its own shard is done (fsdp)."""
         ctx, module, precision = self.ctx, self.module, self.precision
-        if ctx.distributed and not self.strategy.pipelined:  # stages hold other buffers
-            for buf in module.buffers():
-                dist.broadcast(buf, src=0)
+        self.strategy.share_buffers(module)
         module.eval()
         sums = MetricSums(self.scorer.task, ctx.device)
         for batch in self._batches():

@@ -147,7 +147,8 @@ class Trainer:
         )
         self.hooks = Hooks([
             self.writer, Console(), StepProfiler(config, ctx, self.steps_per_epoch),
-            Curves(sync=config.tracker != "none"), *tracker_hooks(config, ctx),
+            *([Curves(sync=config.tracker != "none")] if config.curves else []),
+            *tracker_hooks(config, ctx),
             *steering_hooks(config.early_stopping, config.early_stopping_min_delta), *hooks,
         ])
         # Per data-parallel rank (dropout, user aug.): tensor-parallel peers draw alike, or
@@ -486,44 +487,35 @@ class Trainer:
         ))
 
     def _forward_backward(self, batch: Any, micro: Micro, sums: MetricSums) -> Any:
-        """Forward and backward of one micro-batch; gradients are reduced only on the
-        last micro-batch of a window. Returns the model inputs (for FLOP counting)."""
+        """Forward and backward of one micro-batch, through the strategy (a plain forward
+        or a pipeline's schedule); gradients are reduced only on the last micro-batch of
+        a window. Returns the model inputs (for FLOP counting)."""
         inputs, targets = split(to_device(batch, self.ctx.device, self.memory_format))
         scale = 0.0 if micro.pad else self._loss_scale(micro)
-        if self.strategy.pipelined:
-            self._pipeline_step(inputs, targets, scale, sums, micro.pad)
-            return inputs
         if self.config.compile:
             mark_batch_dynamic(inputs)
-        with self.strategy.no_backward_sync(self.model, skip=not micro.ends_window):
-            with self.precision.autocast():
-                out = self.call(self.model, inputs)
-            score = self.scorer.score(out, targets, inputs)
-            loss = score.loss_sum
-            self.scaler.scale(loss if scale == 1.0 else loss * scale).backward()
-        if not micro.pad:
-            sums.update(score)
-        return inputs
 
-    def _pipeline_step(
-        self, inputs: Any, targets: Any, scale: float, sums: MetricSums, pad: bool
-    ) -> None:
-        """One batch through the pipeline's stages (`--pp`): the last stage scores each
-        micro-batch's rows (padding rows left out) as the step above scores a batch."""
-
-        def loss(output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-            start, stop = int(rows[0]), min(int(rows[-1]) + 1, len(targets))
-            if stop <= start:  # padding alone: no loss, the graph still runs backward
-                return output.sum() * 0.0
-            score = self.scorer.score(
-                parse_output(output[: stop - start]), targets[start:stop], None
-            )
-            if not pad:
+        def loss(output: Any, rows: torch.Tensor | None) -> torch.Tensor:
+            """The scaled loss of `output`: the whole micro-batch's, or (a pipeline's last
+            stage) that of `rows` of it, padding rows left out."""
+            if rows is None:
+                score = self.scorer.score(output, targets, inputs)
+            else:
+                held: Any = targets  # a pipeline's batches hold targets (`Pipeline._pad`)
+                start, stop = int(rows[0]), min(int(rows[-1]) + 1, len(held))
+                if stop <= start:  # padding alone: no loss, the graph still runs backward
+                    return output.sum() * 0.0
+                score = self.scorer.score(
+                    parse_output(output[: stop - start]), held[start:stop], None
+                )
+            if not micro.pad:
                 sums.update(score)
-            return self.scaler.scale(score.loss_sum * scale)
+            return self.scaler.scale(score.loss_sum if scale == 1.0 else score.loss_sum * scale)
 
-        with self.precision.autocast():
-            self.strategy.forward_backward(inputs, loss)  # type: ignore[attr-defined]
+        self.strategy.forward_backward(
+            self.call, self.model, inputs, loss, micro.ends_window, self.precision.autocast
+        )
+        return inputs
 
     def _loss_scale(self, micro: Micro) -> float:
         # DDP averages gradients over the (data-parallel) ranks, hence their number.
