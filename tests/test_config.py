@@ -23,6 +23,53 @@ def test_every_field_is_a_flag_with_its_default_and_help() -> None:
     assert "(default: 64)" in text  # batch_size
 
 
+def test_help_groups_every_flag_under_its_section() -> None:
+    from ddptrain.config import SECTIONS
+
+    settings = [f.name for f in dataclasses.fields(TrainingConfig) if not f.metadata.get("internal")]
+    placed = [name for _, names in SECTIONS.values() for name in names]
+    assert sorted(placed) == sorted(settings)  # each in exactly one section
+    groups = {g.title: [a.dest for a in g._group_actions] for g in build_parser()._action_groups}
+    for section, (_, names) in SECTIONS.items():
+        assert groups[section] == list(names), section
+    text = build_parser().format_help()
+    order = [text.index(f"\n{section}:\n") for section in SECTIONS]
+    assert order == sorted(order)
+    assert text.index("--lr FLOAT") > text.index("\noptimization:\n") > text.index("--width")
+
+
+def test_a_config_file_may_nest_its_fields_under_their_sections(tmp_path: Path) -> None:
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("model: gpt\nwidth: 32\nlr: 0.5\nepochs: 3\ntp: 1\nseed: 4\n")
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(
+        "model:\n  model: gpt\n  width: 32\noptimization: {lr: 0.5, epochs: 3}\n"
+        "parallel:\n  tp: 1\nseed: 4\n"  # sections and flat fields mixed
+    )
+    want = parse_config(["--config", str(flat)])
+    assert (want.model, want.width, want.lr, want.epochs, want.seed) == ("gpt", 32, 0.5, 3, 4)
+    assert parse_config(["--config", str(nested)]) == want
+    assert parse_config(["--config", str(nested), "--lr", "0.1"]).lr == 0.1  # flags win
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "needle"),
+    [
+        ("data:\n  lr: 0.1\n", "'lr' under data: is a field of optimization:, not of data:"),
+        ("optimization:\n  lrr: 0.1\n", "'lrr' under optimization: is no field"),
+        ("lr: 0.2\noptimization: {lr: 0.1}\n", "gives 'lr' twice"),
+    ],
+)
+def test_a_field_under_the_wrong_section_is_refused(
+    tmp_path: Path, yaml_text: str, needle: str
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--config", str(path)])
+    assert needle in str(err.value)
+
+
 def test_seed_spellings_parse() -> None:
     cfg = parse_config(
         ["--batch_size", "128", "--no-use_amp", "--lr", "0.1", "--grad_accum_steps", "2",

@@ -19,7 +19,7 @@ from typing import Any, Literal, NoReturn
 
 import yaml
 
-from ddptrain.config import TrainingConfig, _recompute_mode
+from ddptrain.config import SECTIONS, TrainingConfig, _recompute_mode
 from ddptrain.errors import ConfigError
 
 
@@ -106,47 +106,55 @@ def _parse_bool(text: str) -> bool:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field, spelled as the field (`--batch_size`, `--no-use_amp`)."""
+    """One flag per field, spelled as the field (`--batch_size`, `--no-use_amp`), grouped
+    by the field's section in `--help`."""
     parser.add_argument(
-        "--config", metavar="FILE.yaml", help="YAML file of field: value (flags override it)"
+        "--config", metavar="FILE.yaml",
+        help="YAML file of field: value, flat or under the sections' names below (flags "
+        "override it)",
     )
+    fields = {f.name: f for f in dataclasses.fields(TrainingConfig)}
     hints = typing.get_type_hints(TrainingConfig)
-    for f in dataclasses.fields(TrainingConfig):
-        if f.metadata.get("internal"):  # ddptrain's record, not a setting
-            continue
-        tp = hints[f.name]
-        base, _ = _field_type(tp)
-        missing = f.default is dataclasses.MISSING
-        default = f.default_factory() if missing else f.default  # type: ignore[operator]
-        help_text = f"{f.metadata['help']} (default: {default})"
-        if typing.get_origin(base) is dict:
-            globs = f.metadata.get("glob_keys", False)
-            parser.add_argument(
-                f"--{f.name}", type=_parse_glob_pair if globs else _parse_pair, nargs="+",
-                action=_MergePairs, default={}, metavar="GLOB=VALUE" if globs else "KEY=VALUE",
-                help=help_text,
-            )
-            continue
-        if typing.get_origin(base) is list:
-            parser.add_argument(
-                f"--{f.name}", nargs="+", action="extend", default=[], metavar="GLOB",
-                help=help_text,
-            )
-            continue
-        if base is bool:
-            parser.add_argument(
-                f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default,
-                help=help_text,
-            )
-            continue
-        choices = typing.get_args(base) if typing.get_origin(base) is Literal else None
-        metavar = None if choices else base.__name__.upper()
-        # A choice the flag means when given alone (`--activation_checkpointing`)
-        bare = {"nargs": "?", "const": f.metadata["bare"]} if "bare" in f.metadata else {}
+    for section, (title, names) in SECTIONS.items():
+        group = parser.add_argument_group(section, title)
+        for name in names:
+            _add_field(group, fields[name], hints[name])
+
+
+def _add_field(parser: Any, f: dataclasses.Field[Any], tp: Any) -> None:
+    """The flag of field `f`, of type `tp`."""
+    base, _ = _field_type(tp)
+    missing = f.default is dataclasses.MISSING
+    default = f.default_factory() if missing else f.default  # type: ignore[operator]
+    help_text = f"{f.metadata['help']} (default: {default})"
+    if typing.get_origin(base) is dict:
+        globs = f.metadata.get("glob_keys", False)
         parser.add_argument(
-            f"--{f.name}", type=_converter(f.name, tp), default=f.default, choices=choices,
-            metavar=metavar, help=help_text, **bare,
+            f"--{f.name}", type=_parse_glob_pair if globs else _parse_pair, nargs="+",
+            action=_MergePairs, default={}, metavar="GLOB=VALUE" if globs else "KEY=VALUE",
+            help=help_text,
         )
+        return
+    if typing.get_origin(base) is list:
+        parser.add_argument(
+            f"--{f.name}", nargs="+", action="extend", default=[], metavar="GLOB",
+            help=help_text,
+        )
+        return
+    if base is bool:
+        parser.add_argument(
+            f"--{f.name}", action=argparse.BooleanOptionalAction, default=f.default,
+            help=help_text,
+        )
+        return
+    choices = typing.get_args(base) if typing.get_origin(base) is Literal else None
+    metavar = None if choices else base.__name__.upper()
+    # A choice the flag means when given alone (`--activation_checkpointing`)
+    bare = {"nargs": "?", "const": f.metadata["bare"]} if "bare" in f.metadata else {}
+    parser.add_argument(
+        f"--{f.name}", type=_converter(f.name, tp), default=f.default, choices=choices,
+        metavar=metavar, help=help_text, **bare,
+    )
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -207,6 +215,7 @@ def load_yaml(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path!r} must hold a mapping of field: value")
+    data = _flatten_sections(data, path)
     names = {f.name for f in dataclasses.fields(TrainingConfig)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -217,8 +226,40 @@ def load_yaml(path: str) -> dict[str, Any]:
     return {key: _coerce(key, value) for key, value in data.items()}
 
 
+def _flatten_sections(data: dict[Any, Any], path: str) -> dict[Any, Any]:
+    """A file's fields, flat: a section's mapping (`optimization: {lr: 0.1}`) gives its
+    own fields, a flat field stays as it is. `model:` is the section when it holds a
+    mapping, the field (`model: gpt`) when it holds a name."""
+    flat: dict[Any, Any] = {}
+    for key, value in data.items():
+        if key not in SECTIONS or not isinstance(value, dict):
+            _put(flat, key, value, path)
+            continue
+        own = SECTIONS[key][1]
+        for name, item in value.items():
+            if name not in own:
+                home = [s for s, (_, names) in SECTIONS.items() if name in names]
+                raise ConfigError(
+                    f"--config {path!r}: {name!r} under {key}: is "
+                    + (f"a field of {home[0]}:, not of {key}:: move it there" if home else
+                       "no field: see 'ddptrain train --help' for each section's fields")
+                )
+            _put(flat, name, item, path)
+    return flat
+
+
+def _put(flat: dict[Any, Any], name: Any, value: Any, path: str) -> None:
+    if name in flat:
+        raise ConfigError(f"--config {path!r} gives {name!r} twice: keep one")
+    flat[name] = value
+
+
 def build_parser(prog: str = "ddptrain train") -> argparse.ArgumentParser:
-    parser = ErrorParser(prog=prog, description="Train a model with DistributedDataParallel.")
+    parser = ErrorParser(
+        prog=prog, usage="%(prog)s [--config FILE.yaml] [--FIELD VALUE ...]",
+        description="Train a model on one process or many (torchrun, Slurm, Ray): every "
+        "field below is a flag, grouped by section.",
+    )
     add_config_arguments(parser)
     return parser
 
