@@ -26,7 +26,8 @@ def test_every_field_is_a_flag_with_its_default_and_help() -> None:
 def test_help_groups_every_flag_under_its_section() -> None:
     from ddptrain.config import SECTIONS
 
-    settings = [f.name for f in dataclasses.fields(TrainingConfig) if not f.metadata.get("internal")]
+    fields = dataclasses.fields(TrainingConfig)
+    settings = [f.name for f in fields if not f.metadata.get("internal")]
     placed = [name for _, names in SECTIONS.values() for name in names]
     assert sorted(placed) == sorted(settings)  # each in exactly one section
     groups = {g.title: [a.dest for a in g._group_actions] for g in build_parser()._action_groups}
