@@ -23,6 +23,7 @@ from ddptrain.config import TrainingConfig
 from ddptrain.data.sources import load_data
 from ddptrain.launch.process_group import setup_distributed, teardown_distributed
 from ddptrain.parallel import DDP, FSDP, Strategy, Zero
+from ddptrain.train.plan import resolve
 from ddptrain.train.trainer import Trainer
 
 
@@ -139,7 +140,7 @@ def _watch_one(ctx: Any, config: TrainingConfig, given: str, originals: dict[typ
     if given == "factory":
         module = functools.partial(wide, config, data.facts.input_shape, 3)
     try:
-        trainer = Trainer(config, ctx, data, module=module)
+        trainer = Trainer(resolve(config, data, ctx.world_size, ctx.device), ctx, module=module)
     finally:
         if watch.module is not None:
             watch.__exit__(None, None, None)

@@ -12,6 +12,7 @@ from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.data.sources import load_data
 from ddptrain.launch.process_group import setup_distributed, teardown_distributed
+from ddptrain.train.plan import resolve
 from ddptrain.train.trainer import Trainer
 
 # The layout tests' job (tests/test_parallel_nd.py, test_pipeline.py, test_tp_compose.py):
@@ -45,7 +46,7 @@ def fit_in_group(ctx: DistributedContext, runs: list[dict[str, Any]]) -> list[di
     results = []
     for overrides in runs:  # checked in turn: a resume names an earlier run's checkpoint
         config = TrainingConfig(**overrides).validate()
-        trainer = Trainer(config, ctx, load_data(config))
+        trainer = Trainer(resolve(config, load_data(config), ctx.world_size, ctx.device), ctx)
         summary = trainer.fit()
         weights = trainer.strategy.model_state(trainer.module)  # collective
         results.append({

@@ -89,15 +89,23 @@ def _layouts(rank: int) -> dict[str, object]:
         first = step()  # DDP's first layout: one bucket, in parameter order
         rebuilt = step()  # rebuilt in the order the gradients became ready
         saved = strategy.layout_state()
-        # a resume: DDP built again from what the checkpoint saved, its first step
+        # a resume: DDP built again from what the checkpoint saved, its first step; the
+        # loaded weights are alike on every rank already, so the new wrapper broadcasts
+        # nothing (a weight only rank 1 changed stays changed)
+        first_weight = next(module.parameters())
+        with torch.no_grad():
+            first_weight.add_(float(dist.get_rank()))
+        before = first_weight.sum().item()
         model = strategy.resume_module(model, module, saved)
+        kept = first_weight.sum().item() == before
         started = step()
         # gloo's teardown trap: no DDP wrapper may outlive the group
         model = None
-        del module, strategy, step
+        del module, strategy, step, first_weight
         gc.collect()
         dist.barrier()
-        return {"first": first, "rebuilt": rebuilt, "started": started, "saved": saved}
+        return {"first": first, "rebuilt": rebuilt, "started": started, "saved": saved,
+                "kept": kept}
     finally:
         dist.destroy_process_group()
 
@@ -110,3 +118,4 @@ def test_a_resumed_ddp_starts_in_the_layout_the_run_had_rebuilt(tmp_path: Path) 
     assert len(got["first"]) == 1 and len(got["rebuilt"]) > 1
     assert got["started"] == got["rebuilt"] != got["first"]
     assert results[1]["started"] == got["started"]
+    assert got["kept"] and results[1]["kept"]  # no second broadcast of the model

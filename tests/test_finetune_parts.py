@@ -187,6 +187,7 @@ def _variants(rank: int, base: dict[str, Any], variants: dict[str, dict[str, Any
 
     from ddptrain.data.sources import load_data
     from ddptrain.launch.process_group import setup_distributed, teardown_distributed
+    from ddptrain.train.plan import resolve
     from ddptrain.train.trainer import Trainer
 
     ctx = setup_distributed(TrainingConfig(**base).validate())
@@ -201,7 +202,7 @@ def _variants(rank: int, base: dict[str, Any], variants: dict[str, dict[str, Any
             run = Path(extra.get("output_dir") or Path(base["output_dir"]) / name)
             run.mkdir(parents=True, exist_ok=True)
             cfg = TrainingConfig(**{**base, **extra, "output_dir": str(run)}).validate()
-            trainer = Trainer(cfg, ctx, load_data(cfg))
+            trainer = Trainer(resolve(cfg, load_data(cfg), ctx.world_size, ctx.device), ctx)
             before = {k: v.clone() for k, v in trainer.strategy.model_state(trainer.module).items()}
             reduced[0] = 0
             if isinstance(trainer.model, DistributedDataParallel):

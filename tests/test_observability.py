@@ -280,6 +280,7 @@ def _count_rounds(rank: int, port: int, out: str) -> None:
     from ddptrain.launch.process_group import setup_distributed, teardown_distributed
     from ddptrain.models.factory import create_model
     from ddptrain.observe.hooks import Hook
+    from ddptrain.train.plan import resolve
     from ddptrain.train.trainer import Trainer
 
     # 455 training samples: 228 per rank, 12 batches of 19, 3 windows of 4
@@ -296,7 +297,7 @@ def _count_rounds(rank: int, port: int, out: str) -> None:
         def on_step_end(self, trainer: object) -> None:
             Steps.count += 1
 
-    trainer = Trainer(config, ctx, data, hooks=[Steps()])
+    trainer = Trainer(resolve(config, data, ctx.world_size, ctx.device), ctx, hooks=[Steps()])
     counter = AllReduceCounter().attach(trainer.model)  # type: ignore[arg-type]
     trainer.train_epoch(1)
     ours = counter.rounds / Steps.count

@@ -227,11 +227,12 @@ def test_bfloat16_autocast_is_applied(tmp_path: Path) -> None:
 def _iterable_ids(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
     from ddptrain.data.sources import load_data
     from ddptrain.launch.process_group import setup_distributed, teardown_distributed
+    from ddptrain.train.plan import resolve
     from ddptrain.train.trainer import Trainer
 
     config = TrainingConfig(**overrides).validate()
     ctx = setup_distributed(config)
-    trainer = Trainer(config, ctx, load_data(config))
+    trainer = Trainer(resolve(config, load_data(config), ctx.world_size, ctx.device), ctx)
     seen = {}
     for epoch in (1, 2):
         ids: list[int] = []

@@ -32,6 +32,7 @@ from ddptrain.context import DistributedContext
 from ddptrain.data.sources import load_data
 from ddptrain.launch.process_group import setup_distributed, teardown_distributed
 from ddptrain.models.gpt import build_gpt
+from ddptrain.train.plan import resolve
 from ddptrain.train.trainer import Trainer
 
 
@@ -189,7 +190,7 @@ def watch_setup(ctx: DistributedContext, overrides: dict[str, Any]) -> dict[str,
         return model
 
     with watch:
-        trainer = Trainer(config, ctx, data, module=factory)
+        trainer = Trainer(resolve(config, data, ctx.world_size, ctx.device), ctx, module=factory)
     watch.sample()
     state = trainer.strategy.model_state(trainer.module)  # collective
     return {

@@ -22,6 +22,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.launch.process_group import setup_distributed, teardown_distributed
 from ddptrain.parallel.tp import tensor_parallel_plan
 from ddptrain.parallel.tp_hf import check_hf_config, parallelize_gpt2
+from ddptrain.train.plan import resolve
 from ddptrain.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -148,7 +149,7 @@ def _whole_parts_after_fit(rank: int, run: dict[str, Any]) -> dict[str, torch.Te
     ctx = setup_distributed(config)
     clean = False
     try:
-        trainer = Trainer(config, ctx, load_data(config))
+        trainer = Trainer(resolve(config, load_data(config), ctx.world_size, ctx.device), ctx)
         trainer.fit()
         whole = held_whole(trainer.module)
         clean = True

@@ -11,6 +11,7 @@ from ddptrain.cli import train
 from ddptrain.config import TrainingConfig
 from ddptrain.data.sources import load_data
 from ddptrain.launch.process_group import setup_distributed, teardown_distributed
+from ddptrain.train.plan import resolve
 from ddptrain.train.trainer import Trainer
 
 
@@ -24,7 +25,7 @@ def _with_trainer(overrides: dict[str, Any], body: Any) -> Any:
     ctx = setup_distributed(config)
     clean = False
     try:
-        trainer = Trainer(config, ctx, load_data(config))
+        trainer = Trainer(resolve(config, load_data(config), ctx.world_size, ctx.device), ctx)
         result = body(trainer)
         del trainer
         clean = True

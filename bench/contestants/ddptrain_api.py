@@ -43,6 +43,7 @@ from ddptrain.config import TrainingConfig  # noqa: E402
 from ddptrain.launch.cluster import read_cluster_env  # noqa: E402
 from ddptrain.launch.process_group import setup_distributed, teardown_distributed  # noqa: E402
 from ddptrain.observe.hooks import Hook  # noqa: E402
+from ddptrain.train.plan import resolve  # noqa: E402
 from ddptrain.train.trainer import Trainer  # noqa: E402
 
 IMPORTS_DONE = time.time()
@@ -117,7 +118,8 @@ def main() -> None:
 def run(  # type: ignore[no-untyped-def]
     config, ctx, data, count_allreduce: bool, clock: StepClock, marks: Marks
 ) -> dict:
-    trainer = Trainer(config, ctx, data, hooks=[ClockHook(clock)])
+    run = resolve(config, data, ctx.world_size, ctx.device)
+    trainer = Trainer(run, ctx, hooks=[ClockHook(clock)])
     marks("trainer_s")
     counting = count_allreduce and ctx.distributed
     counter = AllReduceCounter().attach(trainer.model) if counting else None  # type: ignore[arg-type]
@@ -150,7 +152,7 @@ def run(  # type: ignore[no-untyped-def]
     resumed = dataclasses.replace(config, resume_from=str(latest), tensorboard=False)
     barrier()
     t0 = time.perf_counter()
-    again = Trainer(resumed, ctx, data)
+    again = Trainer(resolve(resumed, data, ctx.world_size, ctx.device), ctx)
     resume_s = time.perf_counter() - t0
     del again
 

@@ -374,14 +374,13 @@ def _fit(
     optimizer and loaders die with this frame, before the process group is destroyed
     (see `teardown_distributed`)."""
     from ddptrain.train import Trainer
+    from ddptrain.train.plan import Resolved as Parts
 
     if model is not None and not _is_module(model):
         # Called by the trainer, seeded, where the strategy builds (fsdp: on meta first)
         model = functools.partial(_call_model_factory, model, run.config, run.data, run.task)
-    trainer = Trainer(
-        run.config, ctx, run.data, module=model, task=run.task, hooks=hooks,
-        precision=run.precision, strategy=run.strategy,
-    )
+    parts = Parts(run.config, run.precision, run.strategy, run.data, run.task)
+    trainer = Trainer(parts, ctx, module=model, hooks=hooks)
     if claim is None:
         return trainer.fit()
     claim.commit()  # every rank has read the directory's job (resolve_run) by now

@@ -52,15 +52,17 @@ class DDP(Strategy):
 
     def _wrap(
         self, module: nn.Module, order: list[str] | None = None,
-        caps: tuple[int, int] | None = None,
+        caps: tuple[int, int] | None = None, sync: bool = True,
     ) -> DistributedDataParallel:
+        """DDP over `module`; `sync`: broadcast rank 0's weights and buffers first (a
+        fresh start), not where every rank holds the same ones already (a resume)."""
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         with first_buckets(module, order, caps):
             # Gradients written straight into the all-reduce buckets save a copy per step.
             return DistributedDataParallel(
                 module, device_ids=device_ids, gradient_as_bucket_view=True,
                 find_unused_parameters=self.config.find_unused_parameters,
-                static_graph=self.config.static_graph,
+                static_graph=self.config.static_graph, init_sync=sync,
             )
 
     def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
@@ -84,7 +86,8 @@ class DDP(Strategy):
             self._ready.close()
         self._ready = ReadyOrder.known(order)
         # The replaced wrapper's reducer removes its hooks once the trainer lets go of it.
-        return self._wrap(module, order, caps)
+        # The checkpoint loaded the same weights on every rank: no second broadcast.
+        return self._wrap(module, order, caps, sync=False)
 
 
 class ReadyOrder:

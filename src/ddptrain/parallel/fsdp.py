@@ -54,6 +54,13 @@ class FSDP(Strategy):
     _full_load = StateDictOptions(full_state_dict=True)  # each rank keeps its shard of it
     _from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
+    @property
+    def shards_data(self) -> bool:
+        """Whether the mesh has data-parallel ranks to shard over. `--strategy fsdp`
+        shards whatever their number; the layouts built on it (tp, pp) wrap nothing in
+        FSDP without them, whose hooks would run in every step for nothing."""
+        return self.ctx.data_world > 1
+
     def __init__(
         self, ctx: DistributedContext, config: TrainingConfig,
         param_dtype: torch.dtype | None = None,

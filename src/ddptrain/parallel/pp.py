@@ -116,9 +116,9 @@ class Pipeline(FSDP):
             name: first[id(p)] for name, p in module.named_parameters() if first[id(p)] != name
         }
         on_meta, self._on_meta = self._on_meta, False  # filled below, stage by stage
-        if self.ctx.data_world > 1:
+        if self.shards_data:
             self.views = [FSDP.setup_module(self, view) for view in views]
-        else:  # no FSDP over one rank: its hooks would run for nothing in every step
+        else:
             self.views = views
         if on_meta:
             self._fill(module, whole)

@@ -71,13 +71,9 @@ class TensorParallel(FSDP):
 
     name = "tp"
 
-    @property
-    def _data_parallel(self) -> bool:
-        return self.ctx.data_world > 1
-
     def setup_module(self, module: nn.Module) -> nn.Module:
         tensor_parallel(module, self.config, self.ctx)
-        if self._data_parallel:
+        if self.shards_data:
             return super().setup_module(module)
         if self._on_meta:
             ties = [names for names, t in tensors_by_identity(module)
@@ -88,7 +84,7 @@ class TensorParallel(FSDP):
         return module
 
     def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
-        return super().no_backward_sync(model, skip) if self._data_parallel else NO_CONTEXT
+        return super().no_backward_sync(model, skip) if self.shards_data else NO_CONTEXT
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         groups = by_layout(params)

@@ -14,12 +14,39 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ddptrain.config import TrainingConfig
 from ddptrain.data import DataBundle, samples_dropped, steps_per_epoch
-from ddptrain.parallel import StrategyChoice
+from ddptrain.parallel import StrategyChoice, resolve_strategy
 from ddptrain.parallel.memory import format_bytes, human_bytes, human_count, optimizer_slots
 from ddptrain.train.optim import peak_lr
-from ddptrain.train.tasks import LanguageModel, ModelLoss
+from ddptrain.train.precision import Precision, resolve_precision
+from ddptrain.train.tasks import LanguageModel, ModelLoss, Task, resolve_task
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a `Trainer` is built from, each part resolved once before the process group
+    starts (`ddptrain.fit`: `api.resolve_run`); the trainer resolves nothing again."""
+
+    config: TrainingConfig
+    precision: Precision
+    strategy: StrategyChoice
+    data: DataBundle
+    task: Task
+
+
+def resolve(
+    config: TrainingConfig, data: DataBundle, world_size: int, device: torch.device,
+    task: Task | None = None,
+) -> Resolved:
+    """The parts of a trainer built by hand (a test, a benchmark), resolved by the
+    functions `ddptrain.fit` resolves them with."""
+    return Resolved(
+        config, resolve_precision(config, device), resolve_strategy(config, world_size, device),
+        data, task or resolve_task(config, data.facts),
+    )
 
 
 @dataclass(frozen=True)

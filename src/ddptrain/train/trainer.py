@@ -36,10 +36,8 @@ from ddptrain.checkpoint import Checkpointer, Progress, export_safetensors_state
 from ddptrain.checkpoint.export import export_hf_dir
 from ddptrain.checkpoint.init import load_initial_weights
 from ddptrain.checkpoint.rng import gather_rng_states, seed_process
-from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext, gather_to_main
 from ddptrain.data import (
-    DataBundle,
     Micro,
     ModelCall,
     make_train_batches,
@@ -57,7 +55,6 @@ from ddptrain.observe.flops import gpu_fields, meta_shadow
 from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.trackers import tracker_hooks
 from ddptrain.observe.writer import RunLogError
-from ddptrain.parallel import StrategyChoice, resolve_strategy
 from ddptrain.parallel.base import local_tensor
 from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.parallel.mesh import attach_mesh
@@ -66,12 +63,11 @@ from ddptrain.train.ema import EMA
 from ddptrain.train.evaluate import Evaluator
 from ddptrain.train.metrics import EpochMeter, MetricSums, Sync, improves, reduce_snapshots
 from ddptrain.train.optim import build_optimizer, build_scheduler
-from ddptrain.train.plan import RunPlan, format_plan, make_plan
-from ddptrain.train.precision import Precision, resolve_precision
+from ddptrain.train.plan import Resolved, RunPlan, format_plan, make_plan
 from ddptrain.train.resume import restore, take_best
 from ddptrain.train.steer import SteeredStop, Steering, steering_hooks
 from ddptrain.train.stop import StopRequest
-from ddptrain.train.tasks import Scorer, Task, head_size, resolve_task
+from ddptrain.train.tasks import Scorer, head_size
 
 log = logging.getLogger("ddptrain")
 # Train rows are all-reduced in batches: one collective about every SYNC_EVERY_S seconds
@@ -89,20 +85,17 @@ class Trainer:
     """Owns the model, optimizer, schedule, loaders and progress of one run on one rank."""
 
     def __init__(
-        self, config: TrainingConfig, ctx: DistributedContext, data: DataBundle,
-        module: nn.Module | Callable[[], nn.Module] | None = None, task: Task | None = None,
-        hooks: Sequence[Hook] = (), precision: Precision | None = None,
-        strategy: StrategyChoice | None = None,
+        self, run: Resolved, ctx: DistributedContext,
+        module: nn.Module | Callable[[], nn.Module] | None = None, hooks: Sequence[Hook] = (),
     ) -> None:
-        """`task`, `precision` and `strategy` come resolved from `ddptrain.fit`; left out
-        (a trainer built by hand), they are resolved here from the config."""
-        device = ctx.device
-        self.choice = strategy or resolve_strategy(config, ctx.world_size, device)
+        """`run`: the config, precision, strategy, data and task, resolved before the
+        process group (`ddptrain.fit`; by hand: `ddptrain.train.plan.resolve`)."""
+        device, config = ctx.device, run.config
+        self.choice = run.strategy
         # --tp, --pp, --dp_replicate: the device mesh of the strategy's layout, built once
         ctx = attach_mesh(ctx, self.choice.layout)
-        self.config, self.ctx, self.data = config, ctx, data
-        self.task = task or resolve_task(config, data.facts)
-        self.precision = precision or resolve_precision(config, device)
+        self.config, self.ctx, self.data = config, ctx, run.data
+        self.task, self.precision = run.task, run.precision
         self.precision.apply()
         self.strategy = self.choice.build(ctx, config, self.precision.dtype)
         self.module = self._build_module(module)
