@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -68,3 +69,59 @@ def test_resume_auto_without_checkpoint_starts_fresh(tmp_path: Path) -> None:
     rc = main(["train", "--epochs", "1", "--resume_from", "auto", "--output_dir", str(run)])
     assert rc == 0
     assert [r["epoch"] for r in _rows(run) if r["split"] == "val"] == [1]
+
+
+def _made_by_a_step(optimizer: torch.optim.Optimizer) -> dict:
+    """The state torch's own way makes: one step of zero gradients at a learning rate of 0."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+    return optimizer.state_dict()["state"]
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), [
+    (torch.optim.SGD, {"momentum": 0.9}), (torch.optim.AdamW, {}),
+    (torch.optim.Adam, {"amsgrad": True}),
+])
+def test_an_optimizer_state_to_load_into_is_made_without_a_step(
+    cls: type[torch.optim.Optimizer], kwargs: dict
+) -> None:
+    """Resume loads into the optimizer's state; torch's built-in optimizers get it as the
+    zeros their first step makes, without the step or a gradient per parameter."""
+    from ddptrain.parallel.base import init_optimizer_state
+
+    def fresh() -> torch.optim.Optimizer:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        return cls([{"params": net[0].parameters()}, {"params": net[1].parameters(),
+                    "lr": 0.5}], lr=0.1, **kwargs)
+
+    want = _made_by_a_step(fresh())
+    optimizer = fresh()
+    steps = []
+    optimizer.register_step_pre_hook(lambda *_: steps.append(1))
+    init_optimizer_state(optimizer)
+    got = optimizer.state_dict()["state"]
+    assert not steps and all(p.grad is None for g in optimizer.param_groups for p in g["params"])
+    assert got.keys() == want.keys()
+    for i in want:
+        assert got[i].keys() == want[i].keys()
+        for name, tensor in want[i].items():
+            mine = got[i][name]
+            assert (mine.shape, mine.dtype, mine.device) == (tensor.shape, tensor.dtype,
+                                                              tensor.device), (i, name)
+            if name != "step":  # a step was taken there: 1; none here: 0
+                assert torch.equal(mine, tensor), (i, name)
+    optimizer.load_state_dict(fresh().state_dict() | {"state": want})  # loads as it would
+
+
+def test_any_other_optimizer_gets_its_state_from_a_step_of_zero_gradients() -> None:
+    from ddptrain.parallel.base import init_optimizer_state
+
+    net = torch.nn.Linear(4, 2)
+    before = [p.detach().clone() for p in net.parameters()]
+    optimizer = torch.optim.RMSprop(net.parameters(), lr=0.1, weight_decay=0.1)
+    init_optimizer_state(optimizer)
+    after = list(net.parameters())
+    assert optimizer.state and all(map(torch.equal, before, after))
+    assert optimizer.param_groups[0]["lr"] == 0.1

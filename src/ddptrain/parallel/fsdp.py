@@ -29,6 +29,7 @@ from ddptrain.parallel.base import (
     State,
     Strategy,
     count_parameters,
+    init_optimizer_state,
 )
 from ddptrain.parallel.mesh import fsdp_mesh
 
@@ -177,6 +178,7 @@ class FSDP(Strategy):
     def full_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[State, State]:
+        init_optimizer_state(optimizer)
         optim = get_optimizer_state_dict(module, optimizer, options=FULL_STATE)
         return self.model_state(module), optim
 
