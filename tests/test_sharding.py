@@ -123,6 +123,11 @@ def test_fsdp_evaluation_equals_ddp_on_an_uneven_validation_split(
             assert got[key] == pytest.approx(ddp[key], rel=1e-5)
     # every val sample counted once, on both ranks' rows
     assert [r["samples"] for r in rows(runs["fsdp_acc"][0]) if r["split"] == "val"] == [81, 81]
+    # the rank with 5 batches forwards in step with the one with 6 without asking it per
+    # batch: an evaluation's collectives are ddp's (the metric sums)
+    reduces = {name: [r["eval_all_reduces"] for r in runs[name][1]] for name in runs
+               if name != "npz"}
+    assert reduces["fsdp"] == reduces["fsdp_acc"] == reduces["ddp"] == [1, 1], reduces
 
 
 def test_an_fsdp_export_loads_into_the_users_model_and_predicts_the_same(

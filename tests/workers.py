@@ -97,7 +97,8 @@ def train_and_report(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
 
 def fit_and_measure(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
     """Fit, counting FSDP's gradient reduce-scatters; return this rank's figures: the
-    calls, the steps, the bytes it holds, its peak RSS and the run's summary."""
+    calls, the steps, the bytes it holds, its peak RSS, the run's summary and the
+    all-reduces of one more evaluation."""
     import torch.distributed as dist
 
     from ddptrain.train.metrics import peak_rss_mb
@@ -115,8 +116,20 @@ def fit_and_measure(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
             summary = trainer.fit()
         finally:
             dist.reduce_scatter_single = original
+        reduces, all_reduce = [0], dist.all_reduce
+
+        def counting_reduce(*args: Any, **kwargs: Any) -> Any:
+            reduces[0] += 1
+            return all_reduce(*args, **kwargs)
+
+        dist.all_reduce = counting_reduce
+        try:
+            trainer.evaluate()
+        finally:
+            dist.all_reduce = all_reduce
         return {
             "reduce_scatters": calls[0], "steps": trainer.progress.step, "summary": summary,
+            "eval_all_reduces": reduces[0],
             "bytes": trainer.strategy.rank_bytes(trainer.module, trainer.optimizer),
             "peak_rss_mb": peak_rss_mb(),
         }

@@ -30,7 +30,7 @@ from ddptrain.data.iterable import IterableBatches
 from ddptrain.data.loader import stop_workers
 from ddptrain.data.sources import bundle_datasets, load_data, split_indices, with_collate
 from ddptrain.data.train_batches import Batches, TrainBatches, make_train_batches
-from ddptrain.data.validation import make_val_loader
+from ddptrain.data.validation import make_val_loader, most_val_batches
 
 __all__ = [
     "ArrayDataset",
@@ -49,6 +49,7 @@ __all__ = [
     "make_train_batches",
     "make_val_loader",
     "mark_batch_dynamic",
+    "most_val_batches",
     "num_samples",
     "parse_output",
     "plan_epoch",

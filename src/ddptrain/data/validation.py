@@ -39,6 +39,16 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         return len(self.indices)
 
 
+def most_val_batches(dataset: Dataset, batch_size: int, ctx: DistributedContext) -> int | None:
+    """The most validation batches any rank's shard holds (rank 0's: samples 0, N, 2N,
+    ...), which every rank knows without asking its peers; None for a stream, whose
+    length no rank knows."""
+    if isinstance(dataset, IterableDataset):
+        return None
+    most = -(-len(dataset) // ctx.data_world)  # type: ignore[arg-type]
+    return -(-most // batch_size)
+
+
 def make_val_loader(
     dataset: Dataset, config: TrainingConfig, ctx: DistributedContext,
     collate: Callable[[list[Any]], Any] | None = None,

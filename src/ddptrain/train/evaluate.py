@@ -36,11 +36,13 @@ class Evaluator:
     def __init__(
         self, module: nn.Module, call: ModelCall, scorer: Scorer, precision: Precision,
         strategy: Strategy, ctx: DistributedContext, loader: Iterable[Any],
-        memory_format: torch.memory_format | None,
+        memory_format: torch.memory_format | None, rounds: int | None = None,
     ) -> None:
+        """`rounds`: the most batches any rank's loader yields, where every rank knows it
+        (`data.most_val_batches`; None: a stream)."""
         self.module, self.call, self.scorer, self.precision = module, call, scorer, precision
         self.strategy, self.ctx, self.loader = strategy, ctx, loader
-        self.memory_format = memory_format
+        self.memory_format, self.rounds = memory_format, rounds
 
     @torch.no_grad()
     def run(self, filler: Any) -> dict[str, float]:
@@ -67,11 +69,17 @@ class Evaluator:
 
     def _batches(self) -> Iterator[Any]:
         """This rank's validation batches; under a strategy whose forward is collective,
-        then None until every rank has run out (one flag all-reduced per batch)."""
+        then None until every rank has run out: up to `rounds`, which every rank knows,
+        or (a stream) while a flag all-reduced per batch says a rank has more."""
         if not self.strategy.even_forwards:
             yield from read(self.loader)
             return
         batches = read(self.loader)
+        if self.rounds is not None:
+            for _ in range(self.rounds):
+                yield next(batches, None)
+            assert next(batches, None) is None, "a validation shard outgrew its rounds"
+            return
         while True:
             batch = next(batches, None)
             more = torch.tensor([float(batch is not None)], device=self.ctx.device)

@@ -43,6 +43,7 @@ from ddptrain.data import (
     make_train_batches,
     make_val_loader,
     mark_batch_dynamic,
+    most_val_batches,
     parse_output,
     split,
     stop_workers,
@@ -154,6 +155,7 @@ class Trainer:
         self.evaluator = Evaluator(
             self.module, self.call, self.scorer, self.precision, self.strategy, ctx,
             self.val_loader, self.memory_format,
+            most_val_batches(self.data.val, config.batch_size, ctx),
         )
         self.resumed_from = restore(self)
         if config.init_from is not None:
