@@ -220,3 +220,27 @@ def flipped(config: Any, n: int = 320) -> tuple[Dataset, Dataset]:
     y = (x[:, 0] + x[:, 1] > 0).long()
     cut = n * 3 // 4
     return _Labelled(x[:cut], y[:cut]), _Labelled(x[cut:], 1 - y[cut:])
+
+
+# ---------------------------------------------------------------- a rank slow to load
+class _SlowOn(Dataset):
+    """`data`, whose samples take `seconds` each to load on rank `slow_rank`."""
+
+    num_classes = 2
+
+    def __init__(self, data: Dataset, slow_rank: int, seconds: float) -> None:
+        self.data, self.slow, self.seconds = data, slow_rank == _rank(), seconds
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> Any:
+        if self.slow:
+            time.sleep(self.seconds)
+        return self.data[i]
+
+
+def slow_data(config: Any, slow_rank: int = 1, seconds: float = 0.003) -> tuple[Dataset, Dataset]:
+    """`augmented`'s data, loaded slowly on `slow_rank` (-1: on none)."""
+    train, val = augmented(config, n=200)
+    return _SlowOn(train, slow_rank, seconds), val

@@ -332,3 +332,41 @@ def test_allreduce_counter_sees_one_round_per_step_for_ddptrain_four_for_seed_lo
     assert result["steps"] == 3
     assert result["ddptrain"] == 1.0
     assert result["seed"] == 4.0
+
+
+# ---------------------------------------------------------------- stragglers
+def test_a_rank_waiting_for_data_is_named_after_three_syncs_and_noise_never() -> None:
+    from ddptrain.train.metrics import Stragglers
+
+    found = Stragglers(3.0)
+    for _ in range(10):  # even waits; a tenfold one under a tenth of the step is noise
+        assert found.update([0.001, 0.0012, 0.0011], 0.05) == []
+        assert found.update([0.00001, 0.0001, 0.00002], 0.05) == []
+    assert found.now() == [] and found.named == []
+    slow = [0.001, 0.04, 0.0012]
+    assert found.update(slow, 0.05) == [] and found.update(slow, 0.05) == []
+    assert found.update(slow, 0.05) == [(1, 0.04, pytest.approx(0.0011))]  # the third sync
+    assert found.update(slow, 0.05) == [] and found.now() == [1]  # named once
+    found.update([0.001, 0.001, 0.001], 0.05)
+    assert found.now() == [] and found.named == [1]  # caught up; the run still names it
+    assert Stragglers(0.0).update(slow, 0.05) == []  # --straggler_factor 0: off
+
+
+@pytest.mark.slow
+def test_a_rank_slow_to_load_its_batches_is_named_and_an_even_run_names_none(
+    tmp_path: Path,
+) -> None:
+    from dist_utils import run_ranks
+    from workers import fit_syncing_every_step
+
+    def job(name: str, slow_rank: int) -> dict[str, Any]:
+        return dict(dataset="guardplug:slow_data", dataset_args={"slow_rank": slow_rank},
+                    model="mlp", width=16, batch_size=8, epochs=1, log_interval=1,
+                    tensorboard=False, curves=False, output_dir=str(tmp_path / name))
+
+    slow = run_ranks(fit_syncing_every_step, 2, tmp_path, job("slow", 1))[0]
+    even = run_ranks(fit_syncing_every_step, 2, tmp_path, job("even", -1))[0]
+    assert slow["stragglers"] == [1] and "stragglers" not in even
+    named = [r["stragglers"] for r in _rows(tmp_path / "slow") if "stragglers" in r]
+    assert named and all(r == [1] for r in named)
+    assert not any("stragglers" in r for r in _rows(tmp_path / "even"))

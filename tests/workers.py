@@ -164,3 +164,11 @@ def count_metric_collectives(rank: int, overrides: dict[str, Any]) -> dict[str, 
         return _with_trainer(overrides, body)
     finally:
         dist.all_reduce = real
+
+
+def fit_syncing_every_step(rank: int, overrides: dict[str, Any]) -> dict[str, Any] | None:
+    """`ddptrain train` on this rank with a metric sync at every step."""
+    import ddptrain.train.trainer as loop
+
+    loop.SYNC_EVERY_S = 1e-9
+    return train(TrainingConfig(**overrides).validate())

@@ -279,6 +279,11 @@ class TrainingConfig:
     )
     # Logging and profiling
     log_interval: int = _f(10, "optimizer steps between train metric lines")
+    straggler_factor: float = _f(
+        3.0, "name a rank (log line, 'stragglers' in metrics.jsonl and the summary) whose wait "
+        "for its batches per step stays above this many times the other ranks' median, and "
+        "above a tenth of the step, for 3 metric syncs running (0: off)",
+    )
     enable_profiling: bool = _f(False, "record a torch.profiler trace on rank 0")
     tensorboard: bool = _f(
         True, "write TensorBoard event files when the tensorboard package is installed"
@@ -377,6 +382,8 @@ class TrainingConfig:
             value = getattr(self, name)
             if value < 0:
                 _bad(name, value, "use a value of 0 or more")
+        if self.straggler_factor != 0 and not self.straggler_factor > 1:
+            _bad("straggler_factor", self.straggler_factor, "use a factor above 1, or 0 (off)")
         if not self.lr >= 0:  # 0 trains nothing: the start (--init_from) evaluated as it is
             _bad("lr", self.lr, "use a learning rate of 0 or more, such as 0.01")
         self._validate_steering()
@@ -552,6 +559,7 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     )),
     "observe": ("logs, curves, trackers and the profiler", (
         "log_interval", "tensorboard", "curves", "tracker", "enable_profiling",
+        "straggler_factor",
     )),
     "steer": ("stopping early and averaging the weights", (
         "early_stopping", "early_stopping_min_delta", "ema_decay",

@@ -9,6 +9,7 @@ for the host.
 from __future__ import annotations
 
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -75,7 +76,7 @@ class MetricSums:
 
     def global_totals(self, ctx: DistributedContext) -> list[float]:
         """Totals summed over every rank so far (see `summarize`). A sync point."""
-        totals, _, _ = reduce_snapshots(ctx, [self.snapshot()], (), 0.0)
+        totals, _, _, _ = reduce_snapshots(ctx, [self.snapshot()], (), 0.0)
         return totals[-1]
 
     def set(self, totals: list[float]) -> None:
@@ -90,29 +91,36 @@ class MetricSums:
 
 def reduce_snapshots(
     ctx: DistributedContext, snapshots: list[torch.Tensor], flags: Sequence[bool],
-    seconds: float,
-) -> tuple[list[list[float]], list[bool], float]:
+    seconds: float, own: Sequence[float] = (),
+) -> tuple[list[list[float]], list[bool], float, list[list[float]]]:
     """All-reduce several snapshots of one split's sums in one collective, with whether
     each of `flags` is set on any rank (stop requests: as many as a snapshot has fields
-    but one) and the mean of the ranks' `seconds`. Returns the global totals of each
-    snapshot (`names` then samples), the flags and that mean; every rank gets the same
-    values."""
-    width = snapshots[0].numel()
+    but one), the mean of the ranks' `seconds` and each rank's `own` figures. Returns the
+    global totals of each snapshot (`names` then samples), the flags, that mean and the
+    ranks' figures (a list a rank); every rank gets the same values."""
+    width, device = snapshots[0].numel(), snapshots[0].device
     assert len(flags) < width, "more flags than a row has room for"
-    control = torch.zeros(width, dtype=torch.float64, device=snapshots[0].device)
+    control = torch.zeros(width, dtype=torch.float64, device=device)
     control[0] = seconds
     if flags:
         control[1 : 1 + len(flags)] = torch.tensor([float(f) for f in flags])
     if not ctx.counts_data:  # a tensor-parallel peer holds the same sums: counted once
         snapshots = [torch.zeros_like(s) for s in snapshots]
-    buf = torch.stack([*snapshots, control])
+    k = len(own)
+    ranks = torch.zeros(ctx.world_size * k, dtype=torch.float64, device=device)
+    if k:  # this rank's slot: the sum gives every rank all of them
+        ranks[ctx.rank * k : (ctx.rank + 1) * k] = torch.tensor(own, dtype=torch.float64)
+    buf = torch.cat([torch.stack([*snapshots, control]).reshape(-1), ranks])
     if ctx.distributed:
         dist.all_reduce(buf)
-    *rows, (total_s, *set_on) = buf.tolist()
+    flat = buf.tolist()
+    cut = (len(snapshots) + 1) * width
+    *rows, (total_s, *set_on) = [flat[i : i + width] for i in range(0, cut, width)]
     for values in rows:
         values[1] += values[-2]  # counts kept on the host join those kept on the device
     totals = [[*values[:-2], values[-1]] for values in rows]
-    return totals, [v > 0 for v in set_on[: len(flags)]], total_s / ctx.world_size
+    per_rank = [flat[cut + r * k : cut + (r + 1) * k] for r in range(ctx.world_size)] if k else []
+    return totals, [v > 0 for v in set_on[: len(flags)]], total_s / ctx.world_size, per_rank
 
 
 def peak_rss_mb() -> float:
@@ -181,9 +189,44 @@ class Sync:
     def restart(self, step: int, every: int) -> None:
         self.rows.clear()
         self.step, self.every, self.t = step, every, time.perf_counter()
+        self.wait = 0.0  # seconds this rank waited for its batches since
 
     def due(self, step: int) -> bool:
         return step - self.step >= self.every
+
+
+class Stragglers:
+    """The ranks holding the others back in data loading: a rank whose wait for its
+    batches per step stays above `factor` times the other ranks' median, and above a
+    tenth of the step, for `SYNCS` metric syncs running (the ranks' waits travel with the
+    sync's all-reduce: no collective of their own). Under synchronous data parallelism
+    every rank steps as slowly as the slowest; where the time goes tells them apart."""
+
+    SYNCS = 3
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self.streak: dict[int, int] = {}
+        self.named: list[int] = []  # every rank named in the run, in the order named
+
+    def update(self, waits: list[float], step_s: float) -> list[tuple[int, float, float]]:
+        """The ranks named at this sync: (rank, its wait per step, the others' median)."""
+        if not self.factor or len(waits) < 2:
+            return []
+        found = []
+        for rank, wait in enumerate(waits):
+            others = statistics.median(waits[:rank] + waits[rank + 1 :])
+            slow = wait > self.factor * others and wait - others > 0.1 * step_s
+            self.streak[rank] = self.streak.get(rank, 0) + 1 if slow else 0
+            if self.streak[rank] == self.SYNCS:
+                found.append((rank, wait, others))
+                if rank not in self.named:
+                    self.named.append(rank)
+        return found
+
+    def now(self) -> list[int]:
+        """The ranks slow at the last sync and for `SYNCS` syncs running."""
+        return sorted(r for r, n in self.streak.items() if n >= self.SYNCS)
 
 
 def improves(score: float, best: float, mode: str) -> bool:

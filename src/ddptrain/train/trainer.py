@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -62,7 +63,14 @@ from ddptrain.parallel.mesh import attach_mesh
 from ddptrain.parallel.parts import prepare_module
 from ddptrain.train.ema import EMA
 from ddptrain.train.evaluate import Evaluator
-from ddptrain.train.metrics import EpochMeter, MetricSums, Sync, improves, reduce_snapshots
+from ddptrain.train.metrics import (
+    EpochMeter,
+    MetricSums,
+    Stragglers,
+    Sync,
+    improves,
+    reduce_snapshots,
+)
 from ddptrain.train.optim import build_optimizer, build_scheduler
 from ddptrain.train.plan import Resolved, RunPlan, format_plan, make_plan
 from ddptrain.train.resume import restore, take_best
@@ -128,6 +136,7 @@ class Trainer:
         self.ema = EMA(self.module, config.ema_decay) if config.ema_decay else None
         self.progress = Progress()
         self._sync_every = min(config.log_interval, FIRST_SYNC_STEPS)
+        self.stragglers = Stragglers(config.straggler_factor)
         self.steps_done_in_epoch = 0
         self.resumed_meter: dict[str, Any] | None = None
         self.stop = StopRequest(config.preempt_exit_code)
@@ -337,6 +346,7 @@ class Trainer:
             "samples": h["samples"],
             "samples_per_sec": h["samples"] / h["train_time_s"] if h["train_time_s"] else 0.0,
             "bad_steps": self.progress.bad_steps, "first_step_s": self.first_step_s,
+            **({"stragglers": self.stragglers.named} if self.stragglers.named else {}),
             "strategy": self.strategy.name,
             **({"stopped_early": True, "stop_reason": self.steer.agreed,
                 "stopped_at_epoch": self.progress.epoch} if self.steer.agreed else {}),
@@ -365,6 +375,7 @@ class Trainer:
         sync = Sync(self.progress.step, self._sync_every)
         for batch, micro, waited in self.train_batches.epoch(epoch, self.progress.samples_in_epoch):
             meter.wait += waited
+            sync.wait += waited
             self.last_inputs = self._forward_backward(batch, micro, meter.sums)
             if not micro.ends_window:
                 continue
@@ -412,12 +423,15 @@ class Trainer:
         steps = step - sync.step
         step_s = (now - sync.t) / steps if steps else 0.0
         snapshots = [snap for snap, _ in sync.rows] + [meter.sums.snapshot()]
-        totals, (stop, steer, finish), mean_step_s = reduce_snapshots(
+        totals, (stop, steer, finish), mean_step_s, waits = reduce_snapshots(
             self.ctx, snapshots, (self._stopping(), self.steer.requested, self.steer.finish),
-            step_s,
+            step_s, own=(sync.wait / steps if steps else 0.0,),
         )
+        if steps:
+            self._name_stragglers([w for (w,) in waits], mean_step_s)
+        slow = self.stragglers.now()
         for (_, (head, mark)), row_totals in zip(sync.rows, totals, strict=False):
-            row = {**head, **meter.row(row_totals, mark)}
+            row = {**head, **meter.row(row_totals, mark), **({"stragglers": slow} if slow else {})}
             row.update(gpu_fields(
                 self.flops_model, self.last_inputs, row["samples_per_sec"], self.ctx,
                 self.precision.dtype,
@@ -427,6 +441,20 @@ class Trainer:
             self._sync_every = max(1, min(MAX_SYNC_STEPS, round(SYNC_EVERY_S / mean_step_s)))
         sync.restart(step, self._sync_every)
         return totals[-1], stop, (steer, finish)
+
+    def _name_stragglers(self, waits: list[float], step_s: float) -> None:
+        """A line for each rank that has just become a straggler: from rank 0, and from
+        the rank itself, which names its host."""
+        for rank, wait, others in self.stragglers.update(waits, step_s):
+            if not (self.ctx.is_main or rank == self.ctx.rank):
+                continue
+            host = f" on {socket.gethostname()}" if rank == self.ctx.rank else ""
+            log.warning(
+                "straggler: rank %d%s waits %.3fs per step for its batches, the other ranks "
+                "%.3fs (%d metric syncs running): its data loading holds every rank back "
+                "(more --num_workers, faster storage or preprocessing)",
+                rank, host, wait, others, Stragglers.SYNCS,
+            )
 
     def _first_step_done(self) -> None:
         self.first_step_s = time.perf_counter() - self._t_fit
