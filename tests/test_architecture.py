@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles, and imports that run downward through the layers.
+"""The package's shape: no import cycles, imports that run downward through the layers, and
+no module over 600 lines.
 
     launch -> train -> observe, checkpoint -> parallel, models -> data -> core
 
@@ -124,6 +125,15 @@ def test_imports_run_downward_through_the_layers() -> None:
             if other != folder and other_rank >= rank:
                 upward.append(f"{module} ({folder}) imports {target} ({other})")
     assert not upward, "\n".join(upward)
+
+
+MOST_LINES = 600  # a module longer than this holds more than one concept: split it
+
+
+def test_no_module_is_over_600_lines() -> None:
+    long = {name: n for name, path in _modules().items()
+            if (n := len(path.read_text().splitlines())) > MOST_LINES}
+    assert not long, long
 
 
 def test_every_folder_is_a_known_layer() -> None:

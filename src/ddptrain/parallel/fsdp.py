@@ -199,8 +199,7 @@ class FSDP(Strategy):
         # Buffers (BatchNorm statistics) are not sharded and FSDP does not keep them in
         # step: each rank's drift apart in training. DCP writes one copy of a replicated
         # tensor, so make it rank 0's, the copy evaluation and export use.
-        for buf in module.buffers():
-            dist.broadcast(buf, src=0)
+        self.share_buffers(module)
         return super().sharded_state(module, optimizer)
 
 

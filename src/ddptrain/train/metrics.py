@@ -8,7 +8,9 @@ for the host.
 
 from __future__ import annotations
 
+import logging
 import resource
+import socket
 import statistics
 import sys
 import time
@@ -20,6 +22,8 @@ import torch.distributed as dist
 
 from ddptrain.context import DistributedContext
 from ddptrain.train.tasks import Score, Task
+
+log = logging.getLogger("ddptrain")
 
 
 class MetricSums:
@@ -209,8 +213,11 @@ class Stragglers:
         self.streak: dict[int, int] = {}
         self.named: list[int] = []  # every rank named in the run, in the order named
 
-    def update(self, waits: list[float], step_s: float) -> list[tuple[int, float, float]]:
-        """The ranks named at this sync: (rank, its wait per step, the others' median)."""
+    def update(
+        self, waits: list[float], step_s: float, ctx: DistributedContext | None = None
+    ) -> list[tuple[int, float, float]]:
+        """The ranks named at this sync: (rank, its wait per step, the others' median),
+        each in a line from rank 0 and one from the rank itself, which names its host."""
         if not self.factor or len(waits) < 2:
             return []
         found = []
@@ -222,6 +229,14 @@ class Stragglers:
                 found.append((rank, wait, others))
                 if rank not in self.named:
                     self.named.append(rank)
+                if ctx is not None and (ctx.is_main or rank == ctx.rank):
+                    host = f" on {socket.gethostname()}" if rank == ctx.rank else ""
+                    log.warning(
+                        "straggler: rank %d%s waits %.3fs per step for its batches, the other "
+                        "ranks %.3fs (%d metric syncs running): its data loading holds every "
+                        "rank back (more --num_workers, faster storage or preprocessing)",
+                        rank, host, wait, others, self.SYNCS,
+                    )
         return found
 
     def now(self) -> list[int]:

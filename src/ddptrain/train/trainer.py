@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -428,7 +427,7 @@ class Trainer:
             step_s, own=(sync.wait / steps if steps else 0.0,),
         )
         if steps:
-            self._name_stragglers([w for (w,) in waits], mean_step_s)
+            self.stragglers.update([w for (w,) in waits], mean_step_s, self.ctx)
         slow = self.stragglers.now()
         for (_, (head, mark)), row_totals in zip(sync.rows, totals, strict=False):
             row = {**head, **meter.row(row_totals, mark), **({"stragglers": slow} if slow else {})}
@@ -441,20 +440,6 @@ class Trainer:
             self._sync_every = max(1, min(MAX_SYNC_STEPS, round(SYNC_EVERY_S / mean_step_s)))
         sync.restart(step, self._sync_every)
         return totals[-1], stop, (steer, finish)
-
-    def _name_stragglers(self, waits: list[float], step_s: float) -> None:
-        """A line for each rank that has just become a straggler: from rank 0, and from
-        the rank itself, which names its host."""
-        for rank, wait, others in self.stragglers.update(waits, step_s):
-            if not (self.ctx.is_main or rank == self.ctx.rank):
-                continue
-            host = f" on {socket.gethostname()}" if rank == self.ctx.rank else ""
-            log.warning(
-                "straggler: rank %d%s waits %.3fs per step for its batches, the other ranks "
-                "%.3fs (%d metric syncs running): its data loading holds every rank back "
-                "(more --num_workers, faster storage or preprocessing)",
-                rank, host, wait, others, Stragglers.SYNCS,
-            )
 
     def _first_step_done(self) -> None:
         self.first_step_s = time.perf_counter() - self._t_fit
