@@ -8,10 +8,10 @@ for the host.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import resource
 import socket
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -220,9 +220,9 @@ class Stragglers:
         each in a line from rank 0 and one from the rank itself, which names its host."""
         if not self.factor or len(waits) < 2:
             return []
-        found = []
+        found, ordered = [], sorted(waits)  # sorted once: hundreds of ranks, every sync
         for rank, wait in enumerate(waits):
-            others = statistics.median(waits[:rank] + waits[rank + 1 :])
+            others = _median_without(ordered, wait)
             slow = wait > self.factor * others and wait - others > 0.1 * step_s
             self.streak[rank] = self.streak.get(rank, 0) + 1 if slow else 0
             if self.streak[rank] == self.SYNCS:
@@ -242,6 +242,17 @@ class Stragglers:
     def now(self) -> list[int]:
         """The ranks slow at the last sync and for `SYNCS` syncs running."""
         return sorted(r for r, n in self.streak.items() if n >= self.SYNCS)
+
+
+def _median_without(ordered: list[float], value: float) -> float:
+    """The median of sorted `ordered` with one occurrence of `value` left out, by index."""
+    gone = bisect.bisect_left(ordered, value)
+    m = len(ordered) - 1
+
+    def at(k: int) -> float:
+        return ordered[k if k < gone else k + 1]
+
+    return (at((m - 1) // 2) + at(m // 2)) / 2
 
 
 def improves(score: float, best: float, mode: str) -> bool:
