@@ -123,8 +123,8 @@ def test_float8_converts_the_block_linears_and_keeps_the_tied_head() -> None:
     names = list(model.state_dict())
     chosen = to_float8(model, "tensorwise", fsdp=False)
     assert chosen == [f"blocks.{b}.{n}" for b in range(2)
-                      for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
-    assert type(model.blocks[0].attn.c_attn).__name__ == "Float8Linear"
+                      for n in ("attn.qkv", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert type(model.blocks[0].attn.qkv).__name__ == "Float8Linear"
     assert type(model.lm_head).__name__ == "Linear" and model.lm_head.weight is model.wte.weight
     assert list(model.state_dict()) == names
     model(torch.randint(0, 64, (2, 16))).sum().backward()

@@ -41,6 +41,11 @@ def _max_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> flo
     return max(float((got[k].float() - v.float()).abs().max()) for k, v in ref.items())
 
 
+def _mean_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return float(torch.cat([(got[k].float() - v.float()).flatten() for k, v in ref.items()])
+                 .abs().mean())
+
+
 PLAIN = {**GPT, "batch_size": GLOBAL_BATCH}
 BF16 = {"amp_dtype": "bfloat16"}
 
@@ -100,8 +105,11 @@ def test_tp2_with_accumulation_equals_plain_and_under_bf16_stays_close(
     assert gap <= 1e-2, gap
     near = _max_diff(tp_bf16["weights"], ref_bf16["weights"])
     assert near <= 1e-2, near
-    # ...and it did train in bf16: nearer plain bf16 than plain fp32.
-    assert near < _max_diff(tp_bf16["weights"], ref["weights"])
+    # ...and it did train in bf16: nearer plain bf16 than plain fp32, over all weights (the
+    # largest single gap is one weight's rounding and says nothing). Measured: the mean
+    # |dw| is 2.8e-6 from plain bf16 and 9.7e-6 from plain fp32.
+    assert 2 * _mean_diff(tp_bf16["weights"], ref_bf16["weights"]) < _mean_diff(
+        tp_bf16["weights"], ref["weights"])
 
 
 @pytest.mark.slow
@@ -259,6 +267,74 @@ def test_each_optimizer_group_holds_one_kind_of_tensor(tmp_path: Path) -> None:
         torch.optim.SGD(groups, lr=0.1, momentum=0.9, foreach=True).step()
     finally:
         dist.destroy_process_group()
+
+
+def head_split_ranks(rank: int) -> dict[str, Any]:
+    """One forward and backward of a small GPT split by `parallelize_gpt` over 2 ranks,
+    its collectives counted, beside the whole model's."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from ddptrain.models.gpt import GPT as BuiltinGPT
+    from ddptrain.models.gpt import GPTConfig
+    from ddptrain.parallel.tp import parallelize_gpt
+
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(0)
+        whole = BuiltinGPT(GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=4, n_embd=16))
+        split = copy.deepcopy(whole)
+        parallelize_gpt(split, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+        tokens = torch.randint(0, 16, (3, 8))
+        whole(tokens).square().sum().backward()
+        with CommDebugMode() as comm:
+            out = split(tokens)
+            out.square().sum().backward()
+        grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                 for n, p in split.named_parameters()}
+        gaps = {n: float((grads[n] - p.grad).abs().max()) for n, p in whole.named_parameters()}
+        return {"counts": {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()},
+                "out": float((out - whole(tokens)).abs().max().detach()), "grads": gaps}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_gpt_attention_is_split_by_whole_heads_with_one_all_reduce_each_way(
+    tmp_path: Path,
+) -> None:
+    """The fused q/k/v projection is laid out head by head, so tp splits it by rows into
+    whole heads: a layer costs Megatron's one all-reduce forward (after each row-split
+    projection) and one backward (before each column-split one), and no activation is
+    all-gathered. Output and every gradient are the whole model's."""
+    for rank in run_ranks(head_split_ranks, 2, tmp_path):
+        assert rank["out"] <= 1e-5, rank
+        assert max(rank["grads"].values()) <= 1e-5, rank["grads"]
+        # 2 layers x (attention, MLP) x (forward, backward)
+        assert rank["counts"] == {"all_reduce": 8}, rank["counts"]
+
+
+def test_a_state_with_the_earlier_fused_rows_loads_head_by_head() -> None:
+    """A state saved when the projection was `c_attn` (rows: all q heads, all k, all v)
+    loads into today's head-by-head `qkv` as the same function."""
+    from ddptrain.models.gpt import GPT as BuiltinGPT
+    from ddptrain.models.gpt import GPTConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=4, n_embd=16)
+    model, other = BuiltinGPT(config), BuiltinGPT(config)
+    state = model.state_dict()
+    for kind in ("weight", "bias"):  # back to the earlier layout and name
+        rows = state.pop(f"blocks.0.attn.qkv.{kind}")
+        state[f"blocks.0.attn.c_attn.{kind}"] = rows.unflatten(0, (4, 3, 4)).transpose(
+            0, 1).reshape(rows.shape)
+    other.load_state_dict(state)
+    tokens = torch.randint(0, 16, (2, 8))
+    assert torch.equal(other(tokens), model(tokens))
+    assert torch.equal(other.blocks[0].attn.qkv.weight, model.blocks[0].attn.qkv.weight)
 
 
 # ---------------------------------------------------------------- bytes per rank

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,35 +46,47 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention in which each position sees only itself and earlier ones."""
+    """Multi-head self-attention in which each position sees only itself and earlier ones.
+
+    q, k and v come from one projection, `qkv`, whose output (and weight rows) is laid out
+    head by head: head h's q, then its k, then its v, `head_dim` each. A contiguous share
+    of the rows is then whole heads, so tensor parallelism splits it by rows like any
+    column-parallel linear (`ddptrain.parallel.tp`) and each rank computes its own heads
+    with no collective. The module computes as many heads as its projection's output
+    holds: all of them, or a tp rank's share."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.head_dim = config.n_embd // config.n_head
         self.dropout = config.dropout
         # One projection for q, k and v: a single larger matmul is cheaper than three.
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
-        # The heads this module computes, (first, count): all of them, except under tensor
-        # parallelism (`ddptrain.parallel.tp`), where each rank takes its share.
-        self.head_range = (0, config.n_head)
+        self.register_load_state_dict_pre_hook(self._from_fused_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        first, count = self.head_range
-        head_dim = c // self.n_head
-        # (B, T, C) -> (B, n_head, T, head_dim): the layout scaled_dot_product_attention takes.
-        q, k, v = (
-            z.view(b, t, self.n_head, head_dim)[:, :, first:first + count].transpose(1, 2)
-            for z in (q, k, v)
-        )
+        b, t, _ = x.shape
+        qkv = self.qkv(x)
+        heads = qkv.size(-1) // (3 * self.head_dim)
+        # (B, T, heads, 3, head_dim) -> three (B, heads, T, head_dim): the layout
+        # scaled_dot_product_attention takes.
+        q, k, v = (z.transpose(1, 2) for z in qkv.view(b, t, heads, 3, self.head_dim).unbind(3))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(b, t, count * head_dim)
+        y = y.transpose(1, 2).contiguous().view(b, t, heads * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
+
+    def _from_fused_rows(self, _module: nn.Module, state: dict[str, Any], prefix: str,
+                         *_: Any) -> None:
+        """Reads a state saved when the projection was `c_attn`, its rows all the q heads,
+        then all k, then all v: the same weights, reordered head by head under the new name."""
+        for kind in ("weight", "bias"):
+            old = state.pop(f"{prefix}c_attn.{kind}", None)
+            if old is not None:
+                rows = old.unflatten(0, (3, -1, self.head_dim))  # (3, n_head, head_dim, ...)
+                state[f"{prefix}qkv.{kind}"] = rows.transpose(0, 1).reshape(old.shape)
 
 
 class MLP(nn.Module):

@@ -6,12 +6,11 @@ composed with FSDP over the data-parallel ranks (FSDP x TP, 2-D; HSDP x TP, 3-D)
 
 The built-in GPT's plan: in every block the MLP is split Megatron-style (the widening
 projection by columns, the narrowing one by rows: one all-reduce); attention is split by
-heads, each rank computing `n_head / T` of them. Its q, k and v come from one fused
-projection whose rows are all the q heads, then all the k, then all the v, so a row shard
-does not hold whole heads: the projection is split by columns and its output gathered,
-each rank takes its own heads from it, and the output projection is split by rows (one
-all-reduce). The gathered output's gradient is summed over the tp ranks (each holds only
-its heads' part of it). Embeddings, norms and the tied head stay whole on every tp rank
+heads, each rank computing `n_head / T` of them. Its fused q/k/v projection is laid out
+head by head (`models.gpt.CausalSelfAttention`), so its row shard is whole heads: it is
+split like the widening projection, and the output projection by rows (one all-reduce).
+Per layer that is one all-reduce forward and one backward, Megatron's count: no
+activation is gathered. Embeddings, norms and the tied head stay whole on every tp rank
 (plain tensors, identical there), sharded by FSDP over the data-parallel ranks.
 `--sequence_parallel` splits the norms too, by sequence (`parallelize_gpt`).
 
@@ -32,7 +31,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -164,20 +162,18 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool 
     holding T / tp tokens; attention and the MLP all-gather their input's tokens and
     reduce-scatter their output (the traffic of the all-reduce they replace), and the
     tied head gathers them back."""
-    tp, rank = mesh.size(), mesh.get_local_rank()
+    tp = mesh.size()
     heads = int(model.config.n_head)  # type: ignore[union-attr, arg-type]
     block_size = int(model.config.block_size)  # type: ignore[union-attr, arg-type]
     # A model handed over: `fit` checks the data's own sequence length before the group.
     check_gpt_split(tp, heads, block_size if sequence_parallel else None)
-    group = mesh.get_group()
-    per_rank = heads // tp
     tokens = Shard(1)  # (B, T, C): the sequence dimension
     gather = PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(Replicate(),),
                                 use_local_output=True)
     for block in model.blocks:  # type: ignore[union-attr]
         out = tokens if sequence_parallel else Replicate()
         plan: dict[str, ParallelStyle] = {
-            "attn.c_attn": ColwiseParallel(output_layouts=Replicate()),
+            "attn.qkv": ColwiseParallel(),
             "attn.c_proj": RowwiseParallel(output_layouts=out),
             "mlp.c_fc": ColwiseParallel(),
             "mlp.c_proj": RowwiseParallel(output_layouts=out),
@@ -186,8 +182,6 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool 
             norm = SequenceParallel(use_local_output=True)
             plan.update({"ln_1": norm, "attn": gather, "ln_2": norm, "mlp": gather})
         parallelize_module(block, mesh, plan)
-        block.attn.head_range = (rank * per_rank, per_rank)
-        block.attn.c_attn.register_forward_hook(_SumGradHook(group))
     if sequence_parallel:
         split = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(tokens,),
                                    use_local_output=True)
@@ -232,34 +226,11 @@ def check_gpt_split(tp: int, n_head: int, tokens: int | None = None) -> None:
 
 def _gpt_layout(module: nn.Module) -> bool:
     """Whether `module` is laid out as the built-in GPT (`ddptrain.models.gpt`): blocks of
-    a fused-qkv attention that can compute a share of its heads, and an MLP."""
+    a head-by-head fused-qkv attention (which computes the heads its projection holds),
+    and an MLP."""
     blocks = getattr(module, "blocks", None)
     return hasattr(getattr(module, "config", None), "n_head") and bool(blocks) and all(
-        hasattr(b, "attn") and hasattr(b.attn, "head_range") and hasattr(b, "mlp")
+        hasattr(b, "mlp") and all(hasattr(getattr(b, "attn", None), n) for n in ("qkv", "head_dim"))
         for b in blocks  # type: ignore[union-attr]
     )
 
-
-class _SumGradHook:
-    """A forward hook whose output's gradient is summed over `group` in backward."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-
-    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return _SumGrad.apply(output, self.group)
-
-
-class _SumGrad(torch.autograd.Function):
-    """Identity forward; backward all-reduces the gradient over the group."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
