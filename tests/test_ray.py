@@ -119,6 +119,33 @@ def test_a_worker_that_died_is_reported_as_a_lost_peer_with_exit_3() -> None:
     )
 
 
+@pytest.mark.parametrize("how", ["message", "exception"])
+def test_a_worker_rays_memory_monitor_killed_is_one_line_with_exit_71(how: str) -> None:
+    ray_train = pytest.importorskip("ray.train")
+    from ray.exceptions import ActorDiedError, OutOfMemoryError
+    from ray.train.v2._internal.exceptions import (
+        UserExceptionWithTraceback,
+        WorkerHealthCheckFailedError,
+    )
+
+    # rank 1's actor as the raylet reports a worker it killed for memory, or Ray's own type
+    killed: BaseException = OutOfMemoryError("Task was killed due to the node running low on "
+                                             "memory.") if how == "exception" else ActorDiedError()
+    if how == "message":
+        killed.error_msg = ("The actor is dead because its worker process has died. Worker "
+                            "exit type: NODE_OUT_OF_MEMORY Worker exit detail: Task was killed "
+                            "due to the node running low on memory.")
+    failed = ray_train.WorkerGroupError("workers failed", {
+        0: UserExceptionWithTraceback(RuntimeError("gloo: Connection reset by peer"), "tb"),
+        1: WorkerHealthCheckFailedError("A worker health check failed.", killed),
+    })
+    error = _failure(failed, max_failures=2)
+    assert isinstance(error, RayFailed) and error.exit_code == 71
+    assert str(error).startswith("Ray's memory monitor killed worker rank 1 (its node ran low "
+                                 "on host memory) after 2 restart(s): lower --batch_size")
+    assert "\n" not in str(error)
+
+
 # ---------------------------------------------------------------- adopting a group
 def _adopt(rank: int, run: str) -> dict[str, object]:
     from ddptrain.api import fit

@@ -6,7 +6,8 @@ code each way gets.
 | 2 | bad input (config, environment, data, checkpoint): one `ddptrain: error:` line |
 | 3 | lost contact with the other ranks (a peer died or hung past --timeout_s; NCCL aborted) |
 | 4 | training diverged: --max_bad_steps optimizer steps in a row had non-finite gradients |
-| 71 | a DataLoader worker died (killed by a signal: the out-of-memory killer, a kill) |
+| 71 | a DataLoader worker died (killed by a signal: the out-of-memory killer, a kill), |
+|    | or Ray's memory monitor killed a Ray worker |
 | 74 | a checkpoint, or mid-run the run's log, could not be written; the last checkpoint is intact |
 | 75 | stopped by SIGTERM after writing a checkpoint (at start-up: at once); resume with auto |
 | 130 | stopped by SIGINT (Ctrl-C) after writing a checkpoint |

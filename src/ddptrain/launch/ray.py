@@ -32,12 +32,14 @@ from typing import Any
 
 from ddptrain.config import TrainingConfig
 from ddptrain.config_cli import ErrorParser, parse_config
-from ddptrain.errors import EXIT_PEER_LOST, ConfigError, TrainingStopped
+from ddptrain.errors import EXIT_PEER_LOST, EXIT_WORKER_LOST, ConfigError, TrainingStopped
 from ddptrain.launch.rundir import new_run_id, refuse_occupied, resolve_layout
 from ddptrain.observe.hooks import Hook
 
 log = logging.getLogger("ddptrain")
 
+# How Ray words an actor its memory monitor killed (the raylet's exit type and detail).
+OOM_KILLED = ("NODE_OUT_OF_MEMORY", "running low on memory")
 INSTALL_HINT = "Ray is not installed: pip install 'ddptrain[ray]' (or pip install 'ray[train]')"
 
 Fit = Callable[..., dict[str, Any]]
@@ -197,8 +199,9 @@ def _local_gpus() -> int:
 
 def _failure(exc: BaseException, max_failures: int) -> BaseException:
     """What the driver says when Ray gives up: ddptrain's own error as a worker raised it
-    (one line, its exit code); a worker that died as a lost peer (3); else Ray's error."""
-    from ray.exceptions import RayActorError
+    (one line, its exit code); a worker Ray's memory monitor killed (71, as a process the
+    system took); a worker that died otherwise as a lost peer (3); else Ray's error."""
+    from ray.exceptions import OutOfMemoryError, RayActorError
 
     failures: dict[int, BaseException] = getattr(exc, "worker_failures", None) or {0: exc}
     chains = {rank: _chain(error) for rank, error in sorted(failures.items())}
@@ -206,12 +209,22 @@ def _failure(exc: BaseException, max_failures: int) -> BaseException:
         for error in chain:
             if isinstance(error, ConfigError | TrainingStopped):
                 return error
+    tries = "with no retries" if max_failures == 0 else f"after {max_failures} restart(s)"
+    for rank, chain in chains.items():
+        if any(isinstance(e, OutOfMemoryError) or any(m in str(e) for m in OOM_KILLED)
+               for e in chain):
+            return RayFailed(
+                f"Ray's memory monitor killed worker rank {rank} (its node ran low on host "
+                f"memory) {tries}: lower --batch_size or --num_workers, or give each worker "
+                "a node of its own (--cpus_per_worker); the run directory holds the newest "
+                "checkpoint, run the command again with --resume_from auto",
+                EXIT_WORKER_LOST,
+            )
     for rank, chain in chains.items():
         died = next((e for e in chain if isinstance(e, RayActorError)), None)
         if died is not None:
             lines = str(died).strip().splitlines()
             what = lines[0][:160] if lines else type(died).__name__
-            tries = "with no retries" if max_failures == 0 else f"after {max_failures} restart(s)"
             return RayFailed(
                 f"Ray worker rank {rank} died ({what}) {tries}: the run directory holds the "
                 "newest checkpoint; run the command again with --resume_from auto",
