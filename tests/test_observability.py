@@ -57,6 +57,23 @@ def test_train_rows_have_the_documented_fields_with_plausible_values(run_dir: Pa
     assert [r["epoch"] for r in val] == [1, 2]
 
 
+_IMPORTED_AT = time.perf_counter()
+
+
+def test_the_start_up_phases_are_in_the_summary_and_count_from_the_process_start(
+    run_dir: Path,
+) -> None:
+    """summary.json holds each start-up phase, in order, up to the first step; the first
+    counts from the process's start (the interpreter and the imports), which was before
+    this module was imported."""
+    from ddptrain.observe.startup import process_age
+
+    phases = json.loads((run_dir / "summary.json").read_text())["startup_s"]
+    assert list(phases) == ["imports", "data", "group", "model", "first step"], phases
+    assert all(s >= 0 for s in phases.values()) and phases["first step"] > 0, phases
+    assert process_age() >= time.perf_counter() - _IMPORTED_AT > 0
+
+
 def test_tensorboard_events_hold_every_logged_scalar(run_dir: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

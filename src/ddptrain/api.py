@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # torch and what needs it load once a run starts, not for `--
 
     from ddptrain.data import DataBundle
     from ddptrain.launch.cluster import ClusterEnv
+    from ddptrain.observe.startup import Phases
     from ddptrain.parallel import StrategyChoice
     from ddptrain.train import Precision, Task
 
@@ -76,6 +77,7 @@ class Resolved:
     strategy: StrategyChoice
     data: DataBundle
     task: Task
+    startup: Phases  # the seconds of each start-up phase, marked as it ends
 
 
 def fit(
@@ -123,9 +125,12 @@ def resolve_run(
     from ddptrain.launch.cluster import read_cluster_env
     from ddptrain.launch.process_group import resolve_backend, resolve_device
     from ddptrain.log import setup_logging
+    from ddptrain.observe.startup import Phases
     from ddptrain.parallel import resolve_strategy
     from ddptrain.train import resolve_precision, resolve_task
 
+    startup = Phases()
+    startup.mark("imports")
     cluster = read_cluster_env()
     setup_logging(cluster.rank)
     config = resolve_layout(config, cluster.world_size)
@@ -163,7 +168,8 @@ def resolve_run(
         check_model_layout(config, model_shape(config, data), tokens)
     if not hasattr(task, "loss"):  # a built-in name, or None: the config's --task
         task = resolve_task(config if task is None else _with_task(config, task), data.facts)
-    return Resolved(config, cluster, device, backend, precision, strategy, data, task)
+    startup.mark("data")
+    return Resolved(config, cluster, device, backend, precision, strategy, data, task, startup)
 
 
 @contextlib.contextmanager
@@ -199,6 +205,7 @@ def _run_in_group(
     from ddptrain.launch.process_group import setup_distributed, teardown_distributed
 
     ctx = setup_distributed(run.config, run.cluster, run.device, run.backend)
+    run.startup.mark("group")
     clean = False
     try:
         summary = _fit(run, ctx, model, hooks, claim)
@@ -379,7 +386,7 @@ def _fit(
     if model is not None and not _is_module(model):
         # Called by the trainer, seeded, where the strategy builds (fsdp: on meta first)
         model = functools.partial(_call_model_factory, model, run.config, run.data, run.task)
-    parts = Parts(run.config, run.precision, run.strategy, run.data, run.task)
+    parts = Parts(run.config, run.precision, run.strategy, run.data, run.task, run.startup)
     trainer = Trainer(parts, ctx, module=model, hooks=hooks)
     if claim is None:
         return trainer.fit()
@@ -510,6 +517,7 @@ def _after_training(
     config = source_config(found, argv, fields, prog, given, trust_code, needs)
     run = resolve_run(config, datasets, task, model, collate)
     ctx = setup_distributed(run.config, run.cluster, run.device, run.backend)
+    run.startup.mark("group")
     clean = False
     try:
         factory = None

@@ -18,6 +18,7 @@ import torch
 
 from ddptrain.config import TrainingConfig
 from ddptrain.data import DataBundle, samples_dropped, steps_per_epoch
+from ddptrain.observe.startup import Phases
 from ddptrain.parallel import StrategyChoice, resolve_strategy
 from ddptrain.parallel.memory import format_bytes, human_bytes, human_count, optimizer_slots
 from ddptrain.train.optim import peak_lr
@@ -35,6 +36,9 @@ class Resolved:
     strategy: StrategyChoice
     data: DataBundle
     task: Task
+    # The start-up's phases so far (`fit`: from the process's start); by hand: from the
+    # trainer's construction.
+    startup: Phases | None = None
 
 
 def resolve(

@@ -54,6 +54,7 @@ from ddptrain.models import build_model, hf_dir, is_hf_model, is_hf_ref
 from ddptrain.observe import Console, Curves, Hook, Hooks, MetricsWriter
 from ddptrain.observe.flops import gpu_fields, meta_shadow
 from ddptrain.observe.profiling import StepProfiler
+from ddptrain.observe.startup import Phases
 from ddptrain.observe.trackers import tracker_hooks
 from ddptrain.observe.writer import RunLogError
 from ddptrain.parallel.base import local_tensor
@@ -174,6 +175,8 @@ class Trainer:
             self.model = self.strategy.compile(self.model)
         self.first_step_s: float | None = None
         self._t_fit = time.perf_counter()
+        self.startup = run.startup or Phases(from_process_start=False)
+        self.startup.mark("model")
 
     def _build_module(self, module: nn.Module | Callable[[], nn.Module] | None) -> nn.Module:
         """The user's module (an instance, or a factory of one), or the built-in one for
@@ -345,6 +348,7 @@ class Trainer:
             "samples": h["samples"],
             "samples_per_sec": h["samples"] / h["train_time_s"] if h["train_time_s"] else 0.0,
             "bad_steps": self.progress.bad_steps, "first_step_s": self.first_step_s,
+            "startup_s": self.startup.seconds,
             **({"stragglers": self.stragglers.named} if self.stragglers.named else {}),
             "strategy": self.strategy.name,
             **({"stopped_early": True, "stop_reason": self.steer.agreed,
@@ -443,8 +447,9 @@ class Trainer:
 
     def _first_step_done(self) -> None:
         self.first_step_s = time.perf_counter() - self._t_fit
-        if self.config.compile:
-            log.info("first step (compilation included) took %.1fs", self.first_step_s)
+        self.startup.mark("first step")
+        if self.ctx.is_main:
+            log.info("%s", self.startup.line())
 
     def plan(self) -> RunPlan:
         """The run's arithmetic (see `ddptrain.train.plan`)."""
