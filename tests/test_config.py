@@ -154,3 +154,29 @@ def test_tensor_and_pipeline_parallel_runs_checkpoint_as_dcp_and_may_save_in_bac
     assert parse_config([]).checkpoint_kind == "file"
     with pytest.raises(ConfigError, match="background saves write DCP step directories"):
         parse_config(["--async_checkpoint"])
+
+
+def test_each_section_checks_its_own_fields_and_no_others() -> None:
+    """`validate` runs one check a section (`_check_<section>`, one for every entry of
+    SECTIONS), and a check refuses only fields of its section: a refusal lives with the
+    fields it is about."""
+    import ast
+    import inspect
+    import textwrap
+
+    from ddptrain.config import SECTIONS
+
+    for section, (_, fields) in SECTIONS.items():
+        check = getattr(TrainingConfig, f"_check_{section}")
+        tree = ast.parse(textwrap.dedent(inspect.getsource(check)))
+        refused = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+                name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                literals = [a.value for a in node.args if isinstance(a, ast.Constant)
+                            and isinstance(a.value, str) and a.value.isidentifier()]
+                if name == "_bad":
+                    refused.update(literals[:1])
+                elif name == "_at_least":  # (minimum, fix, *fields): the fields
+                    refused.update(literals)
+        assert refused <= set(fields), (section, refused - set(fields))

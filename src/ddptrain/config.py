@@ -349,68 +349,62 @@ class TrainingConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> TrainingConfig:
-        """Refuse values no run can use; each message names the field, the value, the fix."""
-        positive = (
-            "batch_size", "epochs", "grad_accum_steps", "log_interval", "width", "block_size"
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if value < 1:
-                _bad(name, value, "use a whole number of at least 1")
+        """Refuse values no run can use; each message names the field, the value, the fix.
+
+        What any field must be (a finite number) first, then each section's own checks
+        (`_check_<section>`, one per entry of `SECTIONS`, each refusing only its section's
+        fields). What needs more than the config (the data's shape, the model, the world
+        size) is checked beside the code that needs it, still before the process group:
+        `parallel.mesh.plan_mesh`, `parallel.resolve` (strategy flags, the model's layout),
+        `data.sources`."""
+        if isinstance(self.activation_checkpointing, bool):  # Python's True: the flag alone
+            self.activation_checkpointing = _recompute_mode(self.activation_checkpointing)
         strangers = sorted(set(self.given_in_python) - set(OBJECT_FIELDS))
         if strangers:
             _bad("given_in_python", strangers, f"name fields of {', '.join(OBJECT_FIELDS)}")
-        if isinstance(self.activation_checkpointing, bool):  # Python's True: the flag alone
-            self.activation_checkpointing = _recompute_mode(self.activation_checkpointing)
         for f in dataclasses.fields(self):  # nan compares false with every bound: first
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 _bad(f.name, value, "use a finite number")
-        for name in ("num_classes", "in_channels", "image_size"):
+        for section in SECTIONS:
+            getattr(self, f"_check_{section}")()
+        return self
+
+    def _at_least(self, minimum: int, fix: str, *names: str) -> None:
+        for name in names:
             value = getattr(self, name)
-            if value is not None and value < 1:
-                _bad(name, value, "use a whole number of at least 1, or leave it unset")
-        if self.num_classes is not None and self.num_classes < 2:
-            _bad("num_classes", self.num_classes, "a classifier needs at least 2 classes")
+            if value is not None and value < minimum:
+                _bad(name, value, fix)
+
+    def _check_data(self) -> None:
+        self._at_least(1, "use a whole number of at least 1", "batch_size", "block_size")
+        self._at_least(0, "use a value of 0 or more", "num_workers")
         if self.synthetic_size < 2:
             _bad("synthetic_size", self.synthetic_size, "use at least 2 samples")
-        non_negative = (
-            "num_workers", "save_every", "save_every_steps", "keep_last", "max_bad_steps",
-            "weight_decay", "momentum", "warmup_epochs",
-        )
-        for name in non_negative:
-            value = getattr(self, name)
-            if value < 0:
-                _bad(name, value, "use a value of 0 or more")
-        if self.straggler_factor != 0 and not self.straggler_factor > 1:
-            _bad("straggler_factor", self.straggler_factor, "use a factor above 1, or 0 (off)")
-        if not self.lr >= 0:  # 0 trains nothing: the start (--init_from) evaluated as it is
-            _bad("lr", self.lr, "use a learning rate of 0 or more, such as 0.01")
-        self._validate_steering()
         if self.val_fraction is not None and not 0 < self.val_fraction < 1:
             _bad("val_fraction", self.val_fraction, "use a fraction between 0 and 1, e.g. 0.2")
-        for name in ("timeout_s", "checkpoint_timeout_s"):
-            if not getattr(self, name) > 0:
-                _bad(name, getattr(self, name), "use a positive number of seconds")
-        if self.preempt_exit_code is not None and not 1 <= self.preempt_exit_code <= 255:
-            _bad("preempt_exit_code", self.preempt_exit_code, "use an exit code in 1..255")
-        if self.global_batch_size is not None and self.global_batch_size < 1:
-            _bad("global_batch_size", self.global_batch_size, "use a whole number of samples")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            _bad("max_grad_norm", self.max_grad_norm, "use a positive norm, or leave it unset")
-        for name in ("dp_replicate", "tp", "pp"):
-            if getattr(self, name) < 1:
-                _bad(name, getattr(self, name), "use a whole number of at least 1 (1: off)")
-        if self.tp_plan is not None and not _is_import_ref(self.tp_plan):
-            _bad("tp_plan", self.tp_plan, "give package.module:fn, fn(model, tp_mesh)")
-        if self.pp_split is not None and not _is_import_ref(self.pp_split):
-            _bad("pp_split", self.pp_split, "give package.module:fn, fn(model, stage, stages)")
-        if self.pp_microbatches is not None and self.pp_microbatches < 1:
-            _bad("pp_microbatches", self.pp_microbatches, "use a whole number of at least 1")
-        self._validate_dataset()
-        self._validate_finetune()
+        ds = self.dataset
+        if ds.endswith(".npz") and not _is_import_ref(ds):
+            if not Path(ds).is_file():
+                _bad("dataset", ds, "no such file; give the path of an .npz with arrays x and y")
+        elif ds.endswith(".npy") and not _is_import_ref(ds):
+            if not Path(ds).stem.endswith("x"):
+                _bad("dataset", ds, "name the inputs file x.npy or NAME_x.npy (targets: y.npy)")
+            for path in (Path(ds), npy_targets(Path(ds))):
+                if not path.is_file():
+                    _bad("dataset", ds, f"no such file {str(path)!r}; put y.npy beside x.npy")
+        elif not (ds in BUILTIN_DATASETS or _is_import_ref(ds)):
+            _bad("dataset", ds, f"choose one of {', '.join(BUILTIN_DATASETS)}, a path to an "
+                 ".npz or x.npy file, or package.module:fn")
         if self.collate is not None and not _is_import_ref(self.collate):
             _bad("collate", self.collate, "give package.module:fn, a function of a list of samples")
+
+    def _check_model(self) -> None:
+        self._at_least(1, "use a whole number of at least 1", "width")
+        self._at_least(1, "use a whole number of at least 1, or leave it unset",
+                       "num_classes", "in_channels", "image_size")
+        if self.num_classes is not None and self.num_classes < 2:
+            _bad("num_classes", self.num_classes, "a classifier needs at least 2 classes")
         if self.model.startswith("hf:"):
             if not (Path(self.model[3:]) / "config.json").is_file():
                 _bad("model", self.model, "give hf:DIR, a directory Hugging Face's "
@@ -420,41 +414,69 @@ class TrainingConfig:
                  "or hf:DIR")
         if not (self.task in BUILTIN_TASKS or _is_import_ref(self.task)):
             _bad("task", self.task, f"choose one of {', '.join(BUILTIN_TASKS)} or module:fn")
-        if self.resume_from not in (None, "auto") and not Path(self.resume_from).exists():
-            _bad(
-                "resume_from", self.resume_from,
-                "give an existing checkpoint file or DCP step directory, or 'auto'",
-            )
-        if self.init_from is not None and not Path(self.init_from).exists():
-            _bad(
-                "init_from", self.init_from,
-                "give an existing .safetensors or .pt file, a run, DCP step or Hugging Face "
-                "directory",
-            )
-        if self.async_checkpoint and self.checkpoint_kind == "file":
-            _bad(
-                "async_checkpoint", True,
-                "background saves write DCP step directories: add --checkpoint_format dcp "
-                "(or use --strategy zero / fsdp)",
-            )
-        return self
 
-    def _validate_finetune(self) -> None:
+    def _check_optimization(self) -> None:
+        self._at_least(1, "use a whole number of at least 1", "epochs", "grad_accum_steps")
+        self._at_least(0, "use a value of 0 or more", "max_bad_steps", "weight_decay",
+                       "momentum", "warmup_epochs")
+        if not self.lr >= 0:  # 0 trains nothing: the start (--init_from) evaluated as it is
+            _bad("lr", self.lr, "use a learning rate of 0 or more, such as 0.01")
+        self._at_least(1, "use a whole number of samples", "global_batch_size")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            _bad("max_grad_norm", self.max_grad_norm, "use a positive norm, or leave it unset")
         if not (self.optimizer in BUILTIN_OPTIMIZERS or _is_import_ref(self.optimizer)):
             _bad("optimizer", self.optimizer,
                  f"choose one of {', '.join(BUILTIN_OPTIMIZERS)} or package.module:fn")
         if not (self.scheduler in BUILTIN_SCHEDULERS or _is_import_ref(self.scheduler)):
             _bad("scheduler", self.scheduler, "use cosine or package.module:fn")
-        for pattern in self.freeze:
-            if not isinstance(pattern, str) or not pattern:
-                _bad("freeze", pattern, "give glob patterns of parameter names, e.g. 'embed.*'")
         for pattern, factor in self.lr_scale.items():
             number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
             if not number or not factor > 0:
                 _bad("lr_scale", f"{pattern}={factor}",
                      "give GLOB=FACTOR with a positive factor (to train nothing: --freeze)")
 
-    def _validate_steering(self) -> None:
+    def _check_parallel(self) -> None:
+        self._at_least(1, "use a whole number of at least 1 (1: off)", "dp_replicate", "tp", "pp")
+        if self.tp_plan is not None and not _is_import_ref(self.tp_plan):
+            _bad("tp_plan", self.tp_plan, "give package.module:fn, fn(model, tp_mesh)")
+        if self.pp_split is not None and not _is_import_ref(self.pp_split):
+            _bad("pp_split", self.pp_split, "give package.module:fn, fn(model, stage, stages)")
+        self._at_least(1, "use a whole number of at least 1", "pp_microbatches")
+
+    def _check_precision(self) -> None:
+        pass  # each field is a choice argparse and the dataclass's types already hold to
+
+    def _check_finetune(self) -> None:
+        if self.init_from is not None and not Path(self.init_from).exists():
+            _bad("init_from", self.init_from, "give an existing .safetensors or .pt file, a "
+                 "run, DCP step or Hugging Face directory")
+        for pattern in self.freeze:
+            if not isinstance(pattern, str) or not pattern:
+                _bad("freeze", pattern, "give glob patterns of parameter names, e.g. 'embed.*'")
+
+    def _check_checkpoint(self) -> None:
+        self._at_least(0, "use a value of 0 or more", "save_every", "save_every_steps",
+                       "keep_last")
+        if self.resume_from not in (None, "auto") and not Path(self.resume_from).exists():
+            _bad("resume_from", self.resume_from,
+                 "give an existing checkpoint file or DCP step directory, or 'auto'")
+        if self.async_checkpoint and self.checkpoint_kind == "file":
+            _bad("async_checkpoint", True, "background saves write DCP step directories: add "
+                 "--checkpoint_format dcp (or use --strategy zero / fsdp)")
+        if not self.checkpoint_timeout_s > 0:
+            _bad("checkpoint_timeout_s", self.checkpoint_timeout_s,
+                 "use a positive number of seconds")
+        if self.preempt_exit_code is not None and not 1 <= self.preempt_exit_code <= 255:
+            _bad("preempt_exit_code", self.preempt_exit_code, "use an exit code in 1..255")
+        if self.export_ema and self.ema_decay is None:
+            _bad("export_ema", True, "add --ema_decay D: there is no average to export")
+
+    def _check_observe(self) -> None:
+        self._at_least(1, "use a whole number of at least 1", "log_interval")
+        if self.straggler_factor != 0 and not self.straggler_factor > 1:
+            _bad("straggler_factor", self.straggler_factor, "use a factor above 1, or 0 (off)")
+
+    def _check_steer(self) -> None:
         if self.early_stopping < 0:
             _bad("early_stopping", self.early_stopping, "use a number of epochs, or 0 (off)")
         if self.early_stopping_min_delta < 0:
@@ -462,30 +484,10 @@ class TrainingConfig:
                  "use a change of 0 or more")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             _bad("ema_decay", self.ema_decay, "use a decay between 0 and 1, e.g. 0.999")
-        if self.export_ema and self.ema_decay is None:
-            _bad("export_ema", True, "add --ema_decay D: there is no average to export")
 
-    def _validate_dataset(self) -> None:
-        ds = self.dataset
-        if ds in BUILTIN_DATASETS or _is_import_ref(ds):
-            return
-        if ds.endswith(".npz"):
-            if not Path(ds).is_file():
-                _bad("dataset", ds, "no such file; give the path of an .npz with arrays x and y")
-            return
-        if ds.endswith(".npy"):
-            if not Path(ds).stem.endswith("x"):
-                _bad("dataset", ds, "name the inputs file x.npy or NAME_x.npy (targets: y.npy)")
-            for path in (Path(ds), npy_targets(Path(ds))):
-                if not path.is_file():
-                    _bad("dataset", ds, f"no such file {str(path)!r}; put y.npy beside x.npy")
-            return
-        _bad(
-            "dataset",
-            ds,
-            f"choose one of {', '.join(BUILTIN_DATASETS)}, a path to an .npz or x.npy file, "
-            "or package.module:fn",
-        )
+    def _check_runtime(self) -> None:
+        if not self.timeout_s > 0:
+            _bad("timeout_s", self.timeout_s, "use a positive number of seconds")
 
 
 def npy_targets(inputs: Path) -> Path:
