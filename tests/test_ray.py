@@ -146,6 +146,33 @@ def test_a_worker_rays_memory_monitor_killed_is_one_line_with_exit_71(how: str) 
     assert "\n" not in str(error)
 
 
+def test_bad_input_a_worker_refused_ends_the_retry_at_once(tmp_path: Path) -> None:
+    """A worker's ddptrain error is raised from the worker's own frame (Ray logs the
+    traceback: one frame, then the line), and bad input is written down, so that Ray's
+    retry ends at once with the same line on every rank instead of running again with
+    --resume_from auto."""
+    import traceback
+
+    from ddptrain.checkpoint.common import CheckpointError
+    from ddptrain.launch.ray import REFUSED, RayJob, _train_worker
+
+    calls = []
+
+    def refuse(config: TrainingConfig, hooks: object) -> dict[str, object]:
+        calls.append(config.resume_from)
+        raise CheckpointError("checkpoint 'x.pt' cannot be read: give a file ddptrain wrote")
+
+    job = {"job": RayJob(("--dataset", "breast_cancer", "--output_dir", str(tmp_path / "run")),
+                         str(tmp_path), str(tmp_path / "attempts" / "started"), refuse)}
+    with pytest.raises(CheckpointError) as first:
+        _train_worker(job)
+    frames = traceback.extract_tb(first.value.__traceback__)
+    assert [f.name for f in frames][1:] == ["_train_worker"], frames  # under this test
+    assert _train_worker(job) == {REFUSED: "checkpoint 'x.pt' cannot be read: give a file "
+                                           "ddptrain wrote"}
+    assert calls == [None]  # the retry did not train
+
+
 # ---------------------------------------------------------------- adopting a group
 def _adopt(rank: int, run: str) -> dict[str, object]:
     from ddptrain.api import fit
@@ -189,6 +216,9 @@ def test_two_ray_workers_end_with_the_weights_of_torchrun(
                    timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: 2 epochs, 30 steps on 2 rank(s)" in proc.stdout
+    # Ray Train's placement-group cleaner is left out on a cluster of our own: without
+    # the dashboard it warned every second that it cannot ask the State API
+    assert "Failed to query Ray Train Controller" not in proc.stdout + proc.stderr
     assert_bitwise(weights(run), weights(reference))
     assert_same_log(run, reference)
 

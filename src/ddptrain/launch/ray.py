@@ -33,11 +33,14 @@ from typing import Any
 from ddptrain.config import TrainingConfig
 from ddptrain.config_cli import ErrorParser, parse_config
 from ddptrain.errors import EXIT_PEER_LOST, EXIT_WORKER_LOST, ConfigError, TrainingStopped
+from ddptrain.files import atomic_write_text
 from ddptrain.launch.rundir import new_run_id, refuse_occupied, resolve_layout
 from ddptrain.observe.hooks import Hook
 
 log = logging.getLogger("ddptrain")
 
+# A worker's answer when the attempt before it refused the input (`_train_worker`).
+REFUSED = "ddptrain_refused"
 # How Ray words an actor its memory monitor killed (the raylet's exit type and detail).
 OOM_KILLED = ("NODE_OUT_OF_MEMORY", "running low on memory")
 INSTALL_HINT = "Ray is not installed: pip install 'ddptrain[ray]' (or pip install 'ray[train]')"
@@ -126,7 +129,7 @@ def run_on_ray(argv: list[str], fit: Fit) -> tuple[TrainingConfig, dict[str, Any
     if args.gpus_per_worker > 0:
         resources["GPU"] = args.gpus_per_worker
     worker: Any = _train_worker  # Ray's stubs say a worker returns None; v2 passes it on
-    trainer = TorchTrainer(
+    trainer = (_on_own_cluster(TorchTrainer) if started else TorchTrainer)(
         worker,
         train_loop_config={"job": job},
         torch_config=TorchConfig(backend=backend, timeout_s=int(config.timeout_s)),
@@ -147,6 +150,8 @@ def run_on_ray(argv: list[str], fit: Fit) -> tuple[TrainingConfig, dict[str, Any
         if started:
             ray.shutdown()
     summary = getattr(result, "return_value", None)  # Ray Train v2: rank 0's return
+    if isinstance(summary, dict) and REFUSED in summary:
+        raise ConfigError(summary[REFUSED])
     return config, summary if isinstance(summary, dict) else None
 
 
@@ -171,6 +176,22 @@ def _connect(ray: Any, args: argparse.Namespace) -> bool:
     ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
              log_to_driver=True, logging_level=logging.WARNING)
     return True
+
+
+def _on_own_cluster(trainer: Any) -> Any:
+    """`trainer` (Ray's TorchTrainer class) without Ray Train's placement-group cleaner, on
+    a cluster of our own: it asks the State API, which needs the dashboard this cluster
+    runs without, every second whether the controller lives, and logs a warning each time
+    it cannot (dozens a run); its groups end with the cluster when the command does. On a
+    cluster of someone else's it stays. Ray's private method: a Ray that renames it keeps
+    its cleaner, and its noise, nothing else."""
+
+    class OwnClusterTrainer(trainer):  # type: ignore[misc, valid-type]
+        def _create_default_callbacks(self) -> list[Any]:
+            return [c for c in super()._create_default_callbacks()
+                    if type(c).__name__ != "PlacementGroupCleanerCallback"]
+
+    return OwnClusterTrainer
 
 
 def _reachable(address: str, timeout: float) -> None:
@@ -272,9 +293,19 @@ def _train_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     # Every rank reads the marker before rank 0 can write it in this attempt: rank 0
     # writes when training begins, after the collectives of building the trainer, which
     # wait for every rank. So all ranks of an attempt agree on whether it is a retry.
+    refused = marker.with_name("refused")
+    if refused.exists():  # the last attempt's bad input: every rank ends the job with it
+        return {REFUSED: refused.read_text()}
     if marker.exists():
         if os.environ.get("RANK", "0") == "0":
             log.warning("Ray restarted the worker group: resuming from the newest checkpoint")
         config = dataclasses.replace(config, resume_from="auto")
-    summary = job.fit(config, hooks=[_MarkStarted(marker)])
+    try:
+        summary = job.fit(config, hooks=[_MarkStarted(marker)])
+    except (ConfigError, TrainingStopped) as exc:
+        if isinstance(exc, ConfigError):  # bad input: a retry would only say it again
+            refused.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(refused, str(exc))
+        # ddptrain's own end, one line: Ray logs a worker's traceback, so it starts here
+        raise exc.with_traceback(None) from None
     return summary if os.environ.get("RANK", "0") == "0" else None
