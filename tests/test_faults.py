@@ -7,6 +7,7 @@ every step exactly once.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -35,6 +36,7 @@ from procs import (  # noqa: F401  (reap: an autouse fixture)
 from workers import train_and_report
 
 from ddptrain.checkpoint.pt import list_checkpoints
+from ddptrain.cli import main
 from ddptrain.data.sources import split_indices
 from ddptrain.errors import EXIT_DIVERGED, EXIT_PEER_LOST, EXIT_PREEMPTED
 
@@ -156,6 +158,11 @@ def _manual_ranks(
     return procs
 
 
+# What rank 0 waits in when rank 1 is gone: the step's gradient all-reduce (rank 1 is
+# stopped or killed mid-training), or the agreement after rank 0 saved alone
+OP = {"dies": "collective #", "hangs": "collective #", "hangs_at_a_save": "collective #"}
+
+
 @pytest.mark.parametrize("how", ["dies", "hangs", "hangs_at_a_save"])
 def test_surviving_rank_exits_within_the_timeout(tmp_path: Path, how: str) -> None:
     """Rank 1 dies or hangs mid-training, or hangs while rank 0 writes a checkpoint alone
@@ -186,6 +193,17 @@ def test_surviving_rank_exits_within_the_timeout(tmp_path: Path, how: str) -> No
     assert "lost contact with the other ranks" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
     assert waited < timeout_s + 30
+    # The line names the rank that stopped, the collective rank 0 waited in, and where;
+    # the report says the same, with each rank's row (rank 1 wrote none: it stopped)
+    report = run / "hang" / "report.txt"
+    assert f"rank 1 did not reach {OP[how]}" in err and f"report: {report}" in err, err
+    assert "which rank 0 waited in at ddptrain/" in err, err
+    text = report.read_text()
+    assert text.splitlines()[0] in err and "1  -  -  -  -  no record" in text, text
+    record = json.loads((run / "hang" / "rank0.json").read_text())
+    assert record["step"] >= (7 if at_a_save else 14), record  # at the first save: step 7
+    assert record["collectives"] and record["stacks"], record
+    assert main(["diagnose", str(run)]) == 0
 
 
 def _state(pid: int) -> str:

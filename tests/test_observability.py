@@ -387,3 +387,43 @@ def test_a_rank_slow_to_load_its_batches_is_named_and_an_even_run_names_none(
     named = [r["stragglers"] for r in _rows(tmp_path / "slow") if "stragglers" in r]
     assert named and all(r == [1] for r in named)
     assert not any("stragglers" in r for r in _rows(tmp_path / "even"))
+
+
+def test_a_hang_report_names_the_ranks_that_wrote_no_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The ranks whose collective failed each leave a record; those that left none are
+    named as the ones that did not reach it. When every rank reported, none is blamed.
+    `ddptrain diagnose` prints the report again, or says there is none, in one line."""
+    from ddptrain.observe.hang import culprit_line, diagnose
+
+    folder = tmp_path / "hang"
+    folder.mkdir()
+
+    def record(rank: int) -> None:
+        (folder / f"rank{rank}.json").write_text(json.dumps({
+            "rank": rank, "world_size": 4, "host": "node1", "step": 5, "op": "all_reduce",
+            "group": "0", "seq": 12, "where": "mypkg/model.py:41 (forward)", "error": "timeout",
+        }))
+
+    record(0)
+    record(2)
+    t0 = time.monotonic()
+    line = culprit_line(tmp_path, 4, rank=2, wait_s=0.3)
+    assert time.monotonic() - t0 >= 0.3  # it waited for ranks 1 and 3
+    assert line == (
+        "ranks 1, 3 did not reach all_reduce #12 of the default group (after step 5), which "
+        "ranks 0, 2 waited in at mypkg/model.py:41 (forward): they stopped, died or stayed "
+        f"in their own code; report: {folder / 'report.txt'}")
+    assert not (folder / "report.txt").exists()  # rank 0 writes it, the lowest that reported
+    culprit_line(tmp_path, 4, rank=0, wait_s=0)
+    assert (folder / "report.txt").read_text().startswith("ranks 1, 3 did not reach")
+    record(1)
+    record(3)
+    (folder / "report.txt").unlink()
+    assert diagnose(tmp_path).startswith(  # type: ignore[union-attr]
+        "every rank reported a failed all_reduce #12 of the default group (after step 5)")
+    assert main(["diagnose", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("every rank reported")
+    assert main(["diagnose", str(tmp_path / "hang")]) == 2
+    assert "holds no hang records" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Command line: `ddptrain train | export | doctor | plot | evaluate | predict | ray`.
+"""Command line: `ddptrain train | export | doctor | plot | evaluate | predict | ray | diagnose`.
 
     ddptrain train --dataset digits --epochs 3                       # one process
     torchrun --standalone --nproc_per_node=2 -m ddptrain train       # two ranks, one node
@@ -8,6 +8,7 @@
     ddptrain evaluate runs/ddptrain --output metrics.json            # a trained model's metrics
     ddptrain predict runs/ddptrain --dataset digits --output p.npy   # ... and its outputs
     ddptrain ray --workers 2 --epochs 2                              # two Ray Train workers
+    ddptrain diagnose runs/ddptrain                                  # who a lost peer was
 
 A wrong setting ends the run with one line, `ddptrain: error: ...`, and exit code 2; the
 other exit codes are listed in `ddptrain.errors`.
@@ -214,10 +215,30 @@ def _cmd_ray(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_diagnose(argv: list[str]) -> int:
+    from ddptrain.observe.hang import diagnose
+
+    parser = ErrorParser(
+        prog="ddptrain diagnose",
+        description="The report of a run's last lost peer or hang: which rank did not reach "
+        "which collective, at which step, and where the others waited (hang/report.txt).",
+    )
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="run directory")
+    args = parser.parse_args(argv)
+    if not args.run_dir.is_dir():
+        raise ConfigError(f"{str(args.run_dir)!r} is not a directory: give a run directory")
+    text = diagnose(args.run_dir)
+    if text is None:
+        raise ConfigError(f"{str(args.run_dir)!r} holds no hang records (hang/rank<R>.json): "
+                          "no rank of this run lost its peers")
+    print(text, end="")
+    return 0
+
+
 COMMANDS = {
     "train": _cmd_train, "export": _cmd_export, "doctor": _cmd_doctor, "plot": _cmd_plot,
     "evaluate": _cmd_evaluate, "predict": _cmd_predict,
-    "ray": _cmd_ray,
+    "ray": _cmd_ray, "diagnose": _cmd_diagnose,
 }
 
 
@@ -245,9 +266,24 @@ def main(argv: list[str] | None = None) -> int:
         if not from_command or code:
             _end_workers()
     ranks = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
-    if code == EXIT_PEER_LOST and ranks != "1":
-        time.sleep(PEER_LOST_LINGER_S)
+    if code == EXIT_PEER_LOST and ranks != "1":  # (waiting for the peers' records counts)
+        time.sleep(max(0.0, PEER_LOST_LINGER_S - (time.monotonic() - _peer_lost_at)))
     return code
+
+
+_peer_lost_at = 0.0  # when this rank found its peers lost (monotonic seconds)
+
+
+def _who_stopped(exc: BaseException) -> str | None:
+    """This rank's record of the collective that broke, and, from its peers' records,
+    which rank(s) did not reach it (`observe.hang`); None without a run directory."""
+    from ddptrain.observe.hang import POSITION, culprit_line, write_record
+
+    rank = int(_rank()) if _rank().isdigit() else 0
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_STEP_NUM_TASKS", "1")))
+    if write_record(exc, rank, world) is None:
+        return None
+    return culprit_line(Path(POSITION["run_dir"]), world, rank)
 
 
 def _end_workers() -> None:
@@ -299,7 +335,12 @@ def _main(argv: list[str]) -> int:
             return worker[1]
         if not lost_peer(exc):
             raise
+        global _peer_lost_at
+        _peer_lost_at = time.monotonic()
+        culprit = _who_stopped(exc)
         _report(
+            f"error: lost contact with the other ranks: {culprit}; restart the job with "
+            "--resume_from auto" if culprit else
             f"error: lost contact with the other ranks ({_first_line(exc)}): a peer died, "
             "hung longer than --timeout_s, or the network failed; restart the job with "
             "--resume_from auto"

@@ -26,6 +26,7 @@ from ddptrain.config import ConfigError, TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.launch.cluster import ClusterEnv, read_cluster_env
 from ddptrain.launch.signals import exit_at_once_on_signals
+from ddptrain.observe.hang import enable_flight_recorder
 
 log = logging.getLogger("ddptrain")
 
@@ -93,6 +94,7 @@ def setup_distributed(
     if cluster.world_size == 1:
         return DistributedContext(0, 0, 1, device, backend=None)
     cluster.export_rendezvous()  # srun tasks: env:// needs MASTER_ADDR/PORT
+    enable_flight_recorder()  # a lost peer's report names the collective (observe.hang)
     if backend == "nccl":
         abort_hung_collectives()
     try:

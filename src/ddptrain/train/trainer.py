@@ -53,6 +53,7 @@ from ddptrain.files import atomic_write_text
 from ddptrain.models import build_model, hf_dir, is_hf_model, is_hf_ref
 from ddptrain.observe import Console, Curves, Hook, Hooks, MetricsWriter
 from ddptrain.observe.flops import gpu_fields, meta_shadow
+from ddptrain.observe.hang import POSITION
 from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.startup import Phases
 from ddptrain.observe.trackers import tracker_hooks
@@ -252,6 +253,7 @@ class Trainer:
             log.info("plan\n%s", format_plan(self.plan(), cfg))
         self._t_fit = time.perf_counter()
         val: dict[str, float] = {}
+        POSITION.update(run_dir=str(cfg.run_dir), progress=self.progress)  # (observe.hang)
         try:
             with self.stop:
                 self.hooks.on_fit_start(self)
@@ -291,10 +293,8 @@ class Trainer:
         files = {"model.safetensors": weights}
         if self.ema is not None:
             with self.ema.swapped():  # copied: a whole module's state is its own tensors
-                averaged = {
-                    k: v.detach().clone()
-                    for k, v in self.strategy.model_state(self.module).items()
-                }
+                state = self.strategy.model_state(self.module)
+                averaged = {k: v.detach().clone() for k, v in state.items()}
             files["model_ema.safetensors"] = averaged
             if self.config.export_ema:
                 files.update({"model.safetensors": averaged, "model_raw.safetensors": weights})

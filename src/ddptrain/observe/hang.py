@@ -1,0 +1,248 @@
+"""When a rank loses its peers: who stopped, in which collective, at which step, where.
+
+torch's flight recorder is on in every run (`TORCH_FR_BUFFER_SIZE`, set before the
+process group starts; a value the user set is kept): each rank keeps its last
+collectives, with a sequence number per process group. A rank whose collective fails
+(a peer died, or did not come within --timeout_s) writes what it knows into the run
+directory, `hang/rank<R>.json`:
+
+- the collective it was in (`all_reduce`, from its own stack) and on which group, its
+  number there (the last one the recorder saw completed, plus one), the line of ddptrain
+  or user code that called it, the step and epoch;
+- its last collectives as the recorder holds them, and every thread's Python stack.
+
+Then it reads its peers' records for a few seconds (they fail within moments of each
+other) and names the ranks that wrote none as the ones that did not reach the collective
+(stopped, dead, or still in their own code). The lowest rank that reported writes
+`hang/report.txt`, and each ends with one line:
+
+    ddptrain: error: lost contact with the other ranks: rank 1 did not reach all_reduce
+    #1042 of the default group (after step 87), which rank 0 waited in at
+    ddptrain/train/metrics.py:212 (reduce_snapshots): it stopped, died or stayed in its own
+    code; report: runs/x/hang/report.txt; restart the job with --resume_from auto
+
+`ddptrain diagnose RUN_DIR` prints the report again (or makes it from the records).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ddptrain.files import atomic_write_text
+
+FR_BUFFER = "TORCH_FR_BUFFER_SIZE"
+FR_ENTRIES = 2000  # collectives each rank remembers: a few KB of host memory
+RECORDS_WAIT_S = 3.0  # how long a rank that failed waits for its peers' records
+
+# Where this rank is: the trainer's run directory and its `Progress` (read, not written,
+# a step: steps and epochs completed).
+POSITION: dict[str, Any] = {"run_dir": None, "progress": None}
+_TORCH = os.sep + "torch" + os.sep
+
+
+def enable_flight_recorder(environ: Any = None) -> None:
+    """Before the process group starts: keep each rank's last collectives."""
+    env = os.environ if environ is None else environ
+    env.setdefault(FR_BUFFER, str(FR_ENTRIES))
+
+
+def record_dir(run_dir: Path) -> Path:
+    return run_dir / "hang"
+
+
+def write_record(exc: BaseException, rank: int, world_size: int) -> Path | None:
+    """This rank's record of the collective `exc` broke, in the run directory (None: no
+    run directory yet, or it cannot be written)."""
+    run_dir = POSITION.get("run_dir")
+    if run_dir is None:
+        return None
+    op, group, where = _failed_call(exc.__traceback__)
+    recorder, progress = _recorder(), POSITION.get("progress")
+    status = recorder.get("pg_status", {}).get(group or "0", {})
+    done = status.get("last_completed_collective")
+    entries = [_entry(e) for e in recorder.get("entries", [])[-20:]]
+    last = next((e for e in reversed(entries) if e["retired"] and e["collective_seq_id"] == done
+                 and str((e["process_group"] or ["0"])[0]) == (group or "0")), None)
+    record = {
+        "rank": rank, "world_size": world_size, "host": socket.gethostname(),
+        "pid": os.getpid(), "time": time.time(), "step": getattr(progress, "step", None),
+        "epochs_done": getattr(progress, "epoch", None), "op": op, "group": group or "0",
+        "seq": None if done is None else int(done) + 1, "where": where,
+        "error": str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "",
+        "last_done": None if last is None else (
+            f"{str(last['profiling_name']).split(':')[-1]} #{done} at {last['called_at']}"),
+        "collectives": entries,
+        "stacks": _stacks(),
+    }
+    path = record_dir(Path(run_dir)) / f"rank{rank}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(record, indent=1, default=str))
+    except OSError:
+        return None
+    return path
+
+
+def culprit_line(run_dir: Path, world_size: int, rank: int,
+                 wait_s: float = RECORDS_WAIT_S) -> str | None:
+    """After this rank wrote its record: its peers' for up to `wait_s`, then one line
+    naming the ranks that did not report; the lowest rank that reported writes the
+    report. None when there is no record of this rank."""
+    folder = record_dir(run_dir)
+    deadline = time.monotonic() + wait_s
+    records = read_records(folder)
+    while len(records) < world_size and time.monotonic() < deadline:
+        time.sleep(0.1)
+        records = read_records(folder)
+    if rank not in records:
+        return None
+    text, line = report(records, world_size)
+    report_file = folder / "report.txt"
+    if rank == min(records):
+        with contextlib.suppress(OSError):
+            atomic_write_text(report_file, text)
+    return f"{line}; report: {report_file}"
+
+
+def read_records(folder: Path) -> dict[int, dict[str, Any]]:
+    records = {}
+    for path in folder.glob("rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+            records[int(record["rank"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being written, or not ours
+    return records
+
+
+def report(records: dict[int, dict[str, Any]], world_size: int) -> tuple[str, str]:
+    """The report's text and its one-line summary, from the records there are."""
+    silent = [r for r in range(world_size) if r not in records]
+    waiting = sorted(records)
+    first = records[waiting[0]]
+    call = f"{first['op'] or 'collective'}"
+    if first.get("seq") is not None:
+        call += f" #{first['seq']}"
+    call += " of the default group" if first.get("group") == "0" else f" of group {first['group']}"
+    step = f" (after step {first['step']})" if first.get("step") is not None else ""
+    where = f" at {first['where']}" if first.get("where") else ""
+    if first.get("last_done") and not first.get("op"):  # the recorder saw only what ended
+        where += f", next after {first['last_done']}"
+    if silent:
+        one = len(silent) == 1
+        line = (f"{_ranks(silent)} did not reach {call}{step}, which {_ranks(waiting)} waited "
+                f"in{where}: {'it' if one else 'they'} stopped, died or stayed in "
+                f"{'its' if one else 'their'} own code")
+    else:
+        line = (f"every rank reported a failed {call}{step}{where}: none stopped first "
+                "(the network, the store, or every rank at once)")
+    lines = [line, "", "rank  host  step  collective  called at  error"]
+    for r in range(world_size):
+        rec = records.get(r)
+        if rec is None:
+            lines.append(f"{r}  -  -  -  -  no record (stopped, dead, or not yet failed)")
+            continue
+        seq = "" if rec.get("seq") is None else f" #{rec['seq']}"
+        lines.append(f"{r}  {rec['host']}  {rec['step']}  {rec['op']}{seq} (group "
+                     f"{rec['group']})  {rec['where']}  {rec['error']}")
+    lines += ["", "Each rank's last collectives and Python stacks: hang/rank<R>.json"]
+    return "\n".join(lines) + "\n", line
+
+
+def diagnose(run_dir: Path) -> str | None:
+    """The report of the run's last hang, made again from its records if need be."""
+    folder = record_dir(run_dir)
+    if (folder / "report.txt").is_file():
+        return (folder / "report.txt").read_text()
+    records = read_records(folder)
+    if not records:
+        return None
+    world = max(int(r.get("world_size", 0)) for r in records.values())
+    return report(records, max(world, max(records) + 1))[0]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _failed_call(tb: TracebackType | None) -> tuple[str | None, str | None, str | None]:
+    """The collective (torch.distributed's function) the traceback failed in, its group's
+    name, and the line outside torch that called it."""
+    frames = list(_walk(tb))
+    op = group = None
+    ours = [f for f in frames if _TORCH not in f.f_code.co_filename]
+    where = _at(ours[-1]) if ours else None  # a collective C++ runs (DDP's): its caller
+    for i, frame in enumerate(frames):
+        code = frame.f_code
+        if code.co_filename.endswith(os.path.join("distributed", "distributed_c10d.py")):
+            op = code.co_name
+            pg = frame.f_locals.get("group")
+            group = _group_name(pg)
+            callers = [f for f in frames[:i] if _TORCH not in f.f_code.co_filename]
+            where = _at(callers[-1]) if callers else where
+            break
+    return op, group, where
+
+
+def _at(frame: Any) -> str:
+    return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+def _walk(tb: TracebackType | None) -> Any:
+    while tb is not None:
+        yield tb.tb_frame
+        tb = tb.tb_next
+
+
+def _group_name(pg: Any) -> str | None:
+    if pg is None:
+        return None
+    try:
+        import torch.distributed as dist
+
+        return str(dist.distributed_c10d._get_process_group_name(pg))
+    except Exception:  # a group torch no longer knows
+        return None
+
+
+def _short(path: str) -> str:
+    marker = os.sep + "ddptrain" + os.sep
+    return "ddptrain/" + path.split(marker, 1)[1] if marker in path else path
+
+
+def _recorder() -> dict[str, Any]:
+    """torch's flight recorder, as it dumps itself ({} when it is off or unreadable)."""
+    try:
+        import torch
+
+        return pickle.loads(torch._C._distributed_c10d._dump_fr_trace())  # torch's own bytes
+    except Exception:
+        return {}
+
+
+def _entry(e: dict[str, Any]) -> dict[str, Any]:
+    frames = [f for f in e.get("frames") or [] if _TORCH not in str(f.get("filename", ""))]
+    keep = ("process_group", "collective_seq_id", "profiling_name", "state", "retired",
+            "input_sizes", "time_created_ns")
+    out = {k: e.get(k) for k in keep}
+    out["called_at"] = (f"{_short(str(frames[0]['filename']))}:{frames[0]['line']} "
+                        f"({frames[0]['name']})") if frames else None
+    return out
+
+
+def _stacks() -> dict[str, list[str]]:
+    names = {t.ident: t.name for t in __import__("threading").enumerate()}
+    return {
+        f"{names.get(ident, 'thread')} ({ident})": traceback.format_stack(frame)[-12:]
+        for ident, frame in sys._current_frames().items()
+    }
