@@ -158,15 +158,12 @@ def _manual_ranks(
     return procs
 
 
-# What rank 0 waits in when rank 1 is gone: the step's gradient all-reduce (rank 1 is
-# stopped or killed mid-training), or the agreement after rank 0 saved alone
-OP = {"dies": "collective #", "hangs": "collective #", "hangs_at_a_save": "collective #"}
-
-
-@pytest.mark.parametrize("how", ["dies", "hangs", "hangs_at_a_save"])
+@pytest.mark.parametrize("how", ["dies", "hangs", "hangs_at_a_save", "rank_0_hangs"])
 def test_surviving_rank_exits_within_the_timeout(tmp_path: Path, how: str) -> None:
     """Rank 1 dies or hangs mid-training, or hangs while rank 0 writes a checkpoint alone
-    (it had nothing to write: rank 0 waits for it --timeout_s, not --checkpoint_timeout_s)."""
+    (it had nothing to write: rank 0 waits for it --timeout_s, not --checkpoint_timeout_s);
+    or rank 0 hangs mid-training. The survivor ends within the timeout with one line that
+    names the rank that stopped, the collective it waited in and where."""
     run = tmp_path / "run"
     timeout_s = 6
     args = [*JOB, "--epochs", "20", "--timeout_s", str(timeout_s), "--output_dir", str(run)]
@@ -174,33 +171,36 @@ def test_surviving_rank_exits_within_the_timeout(tmp_path: Path, how: str) -> No
     if at_a_save:  # rank 1 stops itself as the first checkpoint reads its model's state
         args += ["--dataset", "guardplug:augmented", "--model", "guardplug:dropout_net"]
     extra = {"GUARD_STOP_AT_SAVE": "1"} if at_a_save else None
-    r0, r1 = _manual_ranks(args, tmp_path, free_port(), extra)
+    ranks = _manual_ranks(args, tmp_path, free_port(), extra)
+    stuck = 0 if how == "rank_0_hangs" else 1
+    survivor, stopped = ranks[1 - stuck], ranks[stuck]
     try:
         if at_a_save:
-            while r0.poll() is None and _state(r1.pid) != "T":
+            while survivor.poll() is None and _state(stopped.pid) != "T":
                 time.sleep(0.02)
         else:
-            wait_for_step(run / "checkpoints", 14, r0)
-            os.kill(r1.pid, signal.SIGKILL if how == "dies" else signal.SIGSTOP)
+            wait_for_step(run / "checkpoints", 14, survivor)
+            os.kill(stopped.pid, signal.SIGKILL if how == "dies" else signal.SIGSTOP)
         t0 = time.monotonic()
-        _, err = r0.communicate(timeout=timeout_s + 60)
+        _, err = survivor.communicate(timeout=timeout_s + 60)
         waited = time.monotonic() - t0
     finally:
-        r1.kill()
-        r1.wait()
-        r0.kill()
-    assert r0.returncode == EXIT_PEER_LOST, err[-2000:]
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
+    assert survivor.returncode == EXIT_PEER_LOST, err[-2000:]
     assert "lost contact with the other ranks" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
     assert waited < timeout_s + 30
-    # The line names the rank that stopped, the collective rank 0 waited in, and where;
-    # the report says the same, with each rank's row (rank 1 wrote none: it stopped)
+    # The line names the rank that stopped, the collective the other waited in (its number
+    # on its group) and where; the report says the same, with each rank's row
     report = run / "hang" / "report.txt"
-    assert f"rank 1 did not reach {OP[how]}" in err and f"report: {report}" in err, err
-    assert "which rank 0 waited in at ddptrain/" in err, err
+    assert f"rank {stuck} did not reach collective #" in err, err
+    assert f"which rank {1 - stuck} waited in at ddptrain/" in err, err
+    assert f"report: {report}" in err, err
     text = report.read_text()
-    assert text.splitlines()[0] in err and "1  -  -  -  -  no record" in text, text
-    record = json.loads((run / "hang" / "rank0.json").read_text())
+    assert text.splitlines()[0] in err and f"{stuck}  -  -  -  -  no record" in text, text
+    record = json.loads((run / "hang" / f"rank{1 - stuck}.json").read_text())
     assert record["step"] >= (7 if at_a_save else 14), record  # at the first save: step 7
     assert record["collectives"] and record["stacks"], record
     assert main(["diagnose", str(run)]) == 0
