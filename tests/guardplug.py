@@ -244,3 +244,19 @@ def slow_data(config: Any, slow_rank: int = 1, seconds: float = 0.003) -> tuple[
     """`augmented`'s data, loaded slowly on `slow_rank` (-1: on none)."""
     train, val = augmented(config, n=200)
     return _SlowOn(train, slow_rank, seconds), val
+
+
+def oom_mlp(config: Any, input_shape: tuple[int, ...], outputs: int) -> nn.Module:
+    """`--model mlp` whose third training forward runs out of (CUDA) memory."""
+    from ddptrain.models.nets import MLP
+
+    model = MLP(int(np.prod(input_shape)), outputs, config.width)
+    calls = [0]
+
+    def forward(module: nn.Module, args: Any) -> None:
+        calls[0] += module.training
+        if calls[0] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.register_forward_pre_hook(forward)
+    return model

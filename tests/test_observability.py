@@ -427,3 +427,69 @@ def test_a_hang_report_names_the_ranks_that_wrote_no_record(
     assert capsys.readouterr().out.startswith("every rank reported")
     assert main(["diagnose", str(tmp_path / "hang")]) == 2
     assert "holds no hang records" in capsys.readouterr().err
+
+
+def test_out_of_memory_is_one_line_with_the_step_the_state_and_the_knobs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An OutOfMemoryError in a step ends the rank with exit 2 and one line: the rank, the
+    step, the state's bytes per rank, which flags to turn; the report beside it. Without
+    CUDA, --memory_snapshot is refused before anything starts."""
+    run = tmp_path / "run"
+    code = main(["train", "--dataset", "breast_cancer", "--model", "guardplug:oom_mlp",
+                 "--batch_size", "16", "--output_dir", str(run)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("ddptrain: error: out of memory on rank 0 (cpu) after step 2: the "
+                          "model's state is "), err
+    assert ("lower --batch_size (now 16; --grad_accum_steps keeps the global batch), add "
+            "--activation_checkpointing, shard the state with --strategy fsdp; report: "
+            f"{run / 'oom' / 'rank0.txt'}") in err, err
+    assert "Tried to allocate 2.00 GiB" in (run / "oom" / "rank0.txt").read_text()
+    code = main(["train", "--dataset", "breast_cancer", "--memory_snapshot",
+                 "--output_dir", str(tmp_path / "other")])
+    assert code == 2
+    assert "--memory_snapshot records CUDA's allocator, and this run is on cpu" in (
+        capsys.readouterr().err)
+
+
+def test_out_of_memory_on_cuda_dumps_the_allocation_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA path, on a stand-in (CUDA's queries faked): the line says what the tensors
+    held of the device, and with --memory_snapshot the history is dumped beside the report."""
+    from types import SimpleNamespace
+
+    from ddptrain.config import TrainingConfig
+    from ddptrain.observe import oom
+
+    dumped: list[str] = []
+    recorded: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 79 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_summary", lambda d: "|  allocator summary  |")
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dumped.append)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda **kw: recorded.append(kw))
+    config = TrainingConfig(output_dir=str(tmp_path), memory_snapshot=True, batch_size=8,
+                            strategy="fsdp").validate()
+    gib = 2**30
+    trainer = SimpleNamespace(
+        config=config, ctx=SimpleNamespace(device=torch.device("cuda", 3), rank=3),
+        progress=SimpleNamespace(step=87), module=None, optimizer=None,
+        strategy=SimpleNamespace(rank_bytes=lambda m, o: {
+            "params": 10 * gib, "grads": 10 * gib, "optimizer": 20 * gib}),
+    )
+    oom.record_history(torch.device("cuda", 3))
+    error = oom.report(torch.OutOfMemoryError("CUDA out of memory"), trainer)
+    assert recorded and recorded[0]["max_entries"] == oom.SNAPSHOT_ENTRIES
+    assert str(error).startswith(
+        "out of memory on rank 3 (cuda:3) after step 87: 79.0 GiB of 80.0 GiB held by "
+        "tensors, of which the model's state is 40.0 GiB per rank (parameters 10.0 GiB, "
+        "gradients 10.0 GiB, optimizer 20.0 GiB); lower --batch_size (now 8;"), error
+    assert "split the layers further (--tp, --pp) or offload with --fsdp_cpu_offload" in str(
+        error)
+    assert dumped == [str(tmp_path / "oom" / "rank3.pickle")]
+    text = (tmp_path / "oom" / "rank3.txt").read_text()
+    assert "allocator summary" in text and "rank3.pickle" in text

@@ -144,6 +144,11 @@ def resolve_run(
         from ddptrain.observe.trackers import require_tracker
 
         require_tracker(config.tracker)
+    if config.memory_snapshot and device.type != "cuda":
+        raise ConfigError(
+            f"--memory_snapshot records CUDA's allocator, and this run is on {device.type}: "
+            "drop the flag"
+        )
     if config.sync_bn and device.type == "cpu" and cluster.world_size > 1:
         raise ConfigError(
             "--sync_bn is invalid on CPU: SyncBatchNorm needs CUDA devices; drop the flag"
@@ -380,6 +385,9 @@ def _fit(
     resume's checkpoint accepted) the claim marks the directory as this run's. Its model,
     optimizer and loaders die with this frame, before the process group is destroyed
     (see `teardown_distributed`)."""
+    import torch
+
+    from ddptrain.observe import oom
     from ddptrain.train import Trainer
     from ddptrain.train.plan import Resolved as Parts
 
@@ -387,14 +395,20 @@ def _fit(
         # Called by the trainer, seeded, where the strategy builds (fsdp: on meta first)
         model = functools.partial(_call_model_factory, model, run.config, run.data, run.task)
     parts = Parts(run.config, run.precision, run.strategy, run.data, run.task, run.startup)
+    if run.config.memory_snapshot:
+        oom.record_history(run.device)
     trainer = Trainer(parts, ctx, module=model, hooks=hooks)
-    if claim is None:
-        return trainer.fit()
-    claim.commit()  # every rank has read the directory's job (resolve_run) by now
+    if claim is not None:
+        claim.commit()  # every rank has read the directory's job (resolve_run) by now
     try:
         return trainer.fit()
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not oom.is_out_of_memory(exc):
+            raise
+        raise oom.report(exc, trainer) from None
     finally:
-        claim.trained = trainer.first_step_s is not None
+        if claim is not None:
+            claim.trained = trainer.first_step_s is not None
 
 
 def _num_labels(model: Any) -> int | None:

@@ -285,6 +285,10 @@ class TrainingConfig:
         "above a tenth of the step, for 3 metric syncs running (0: off)",
     )
     enable_profiling: bool = _f(False, "record a torch.profiler trace on rank 0")
+    memory_snapshot: bool = _f(
+        False, "CUDA: record the allocator's history from the start; an out-of-memory error "
+        "dumps it to oom/rank<R>.pickle (https://pytorch.org/memory_viz)",
+    )
     tensorboard: bool = _f(
         True, "write TensorBoard event files when the tensorboard package is installed"
     )
@@ -561,7 +565,7 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     )),
     "observe": ("logs, curves, trackers and the profiler", (
         "log_interval", "tensorboard", "curves", "tracker", "enable_profiling",
-        "straggler_factor",
+        "straggler_factor", "memory_snapshot",
     )),
     "steer": ("stopping early and averaging the weights", (
         "early_stopping", "early_stopping_min_delta", "ema_decay",

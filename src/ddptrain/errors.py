@@ -3,7 +3,8 @@ code each way gets.
 
 | code | meaning |
 | --- | --- |
-| 2 | bad input (config, environment, data, checkpoint): one `ddptrain: error:` line |
+| 2 | bad input (config, environment, data, checkpoint; a run that does not fit its device's |
+|   | memory): one `ddptrain: error:` line |
 | 3 | lost contact with the other ranks (a peer died or hung past --timeout_s; NCCL aborted) |
 | 4 | training diverged: --max_bad_steps optimizer steps in a row had non-finite gradients |
 | 71 | a DataLoader worker died (killed by a signal: the out-of-memory killer, a kill), |
