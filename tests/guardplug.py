@@ -260,3 +260,15 @@ def oom_mlp(config: Any, input_shape: tuple[int, ...], outputs: int) -> nn.Modul
 
     model.register_forward_pre_hook(forward)
     return model
+
+
+def poisoned(config: Any, n: int = 320, poison: int = 2) -> tuple[Dataset, Dataset]:
+    """`flipped`'s training rule, with `poison` training samples scaled 1000x and their
+    labels flipped: a batch that holds one has a loss far above the others'."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(n, 4, generator=g)
+    y = (x[:, 0] + x[:, 1] > 0).long()
+    x[:poison] *= 1000
+    y[:poison] = 1 - y[:poison]
+    cut = n * 3 // 4
+    return _Labelled(x[:cut], y[:cut]), _Labelled(x[cut:], y[cut:])

@@ -238,3 +238,55 @@ def test_sigkill_then_resume_with_ema_is_bitwise_exact(tmp_path: Path, strategy:
         r["ema_loss"] for r in _rows(reference) if r["split"] == "val"
     ]
     assert all(r["ema_loss"] != r["loss"] for r in val)  # the average is what was validated
+
+
+def test_a_loss_spike_is_a_train_loss_above_k_times_the_running_median_for_m_rows(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from ddptrain.train.steer import LossSpikes
+
+    trainer = _Trainer()
+    hook = LossSpikes(factor=5, rows=2, stop=True)
+    losses = [1.0, 0.9, 0.8, 0.8, 0.7, 9.0, 0.7, 6.0, 7.0, 0.6]  # steps 1..10
+    for step, loss in enumerate(losses, start=1):
+        hook.on_row(trainer, {"split": "val", "step": step, "loss": 100.0})  # not train
+        hook.on_row(trainer, {"split": "train", "step": step, "loss": loss})
+        # step 6 alone is one row above the bar; steps 8 and 9 are two running
+        assert trainer.steer.requested == (step >= 9), step
+    assert "loss spike: train loss 7 at step(s) 8, 9 is above 5x the running median 0.8" in (
+        trainer.steer.reason or "")
+    assert hook.losses == [1.0, 0.9, 0.8, 0.8, 0.7, 0.7, 0.6]  # spikes never raise the bar
+    again = LossSpikes(5, 2, False)
+    again.load_state_dict(hook.state_dict())
+    assert again.state_dict() == hook.state_dict()
+    caplog.clear()
+    early = LossSpikes(factor=5, rows=1, stop=False)  # no median before 5 rows
+    for step, loss in enumerate([1.0, 50.0, 1.0], start=1):
+        early.on_row(trainer, {"split": "train", "step": step, "loss": loss})
+    assert not early.streak and "loss spike" not in caplog.text
+
+
+def test_a_poisoned_batch_is_named_and_on_spike_stop_ends_the_run_there(
+    tmp_path: Path,
+) -> None:
+    """Two training samples scaled 100x with flipped labels: the rows of the steps whose
+    batch holds one are spikes (the default --spike_factor); `--on_spike stop` ends the
+    run with a checkpoint and the spike as its stop_reason. The same data unpoisoned
+    names none."""
+    args = ["train", "--model", "mlp", "--width", "16", "--batch_size", "16", "--epochs", "2",
+            "--lr", "0.05", "--log_interval", "1", "--no-tensorboard"]
+    run = tmp_path / "run"
+    assert main([*args, "--dataset", "guardplug:poisoned", "--on_spike", "stop",
+                 "--output_dir", str(run)]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert "loss spike: train loss" in summary["stop_reason"], summary
+    # it names the first step whose batch held a poisoned sample (the loss of a clean
+    # batch stays below 2.5 here, a poisoned one's above 10)
+    train = [r for r in _rows(run) if r["split"] == "train"]
+    first = next(r for r in train if r["loss"] > 5)
+    assert f"at step(s) {first['step']} is above 5x" in summary["stop_reason"], summary
+    assert summary["stopped_early"] and summary["steps"] == train[-1]["step"]
+    clean = tmp_path / "clean"
+    assert main([*args, "--dataset", "guardplug:flipped", "--on_spike", "stop",
+                 "--output_dir", str(clean)]) == 0
+    assert "stop_reason" not in json.loads((clean / "summary.json").read_text())

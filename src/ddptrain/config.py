@@ -309,6 +309,15 @@ class TrainingConfig:
     early_stopping_min_delta: float = _f(
         0.0, "with --early_stopping: the least change of the metric that counts as one"
     )
+    spike_factor: float = _f(
+        5.0, "warn of a loss spike: a train row's loss above this many times the median of "
+        "the rows before it, for --spike_rows rows running (0: off)",
+    )
+    spike_rows: int = _f(1, "with --spike_factor: the train rows running that make a spike")
+    on_spike: Literal["warn", "stop"] = _f(
+        "warn", "warn: a warning line; stop: also stop the run at the next agreed step, with "
+        "a checkpoint and the spike as its stop_reason",
+    )
     ema_decay: float | None = _f(
         None, "keep an exponential moving average of the weights with this decay (e.g. "
         "0.999), validated each epoch (val ema_* figures) and exported as "
@@ -486,6 +495,9 @@ class TrainingConfig:
         if self.early_stopping_min_delta < 0:
             _bad("early_stopping_min_delta", self.early_stopping_min_delta,
                  "use a change of 0 or more")
+        if self.spike_factor != 0 and not self.spike_factor > 1:
+            _bad("spike_factor", self.spike_factor, "use a factor above 1, or 0 (off)")
+        self._at_least(1, "use a whole number of at least 1", "spike_rows")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             _bad("ema_decay", self.ema_decay, "use a decay between 0 and 1, e.g. 0.999")
 
@@ -568,7 +580,8 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
         "straggler_factor", "memory_snapshot",
     )),
     "steer": ("stopping early and averaging the weights", (
-        "early_stopping", "early_stopping_min_delta", "ema_decay",
+        "early_stopping", "early_stopping_min_delta", "spike_factor", "spike_rows", "on_spike",
+        "ema_decay",
     )),
     "runtime": ("processes, devices and the run itself", (
         "device", "backend", "timeout_s", "seed", "dry_run", "run_id",

@@ -23,7 +23,8 @@ The learning-rate multiplier scales the warm-up/cosine schedule from the next op
 step on; it is kept in every checkpoint. Hooks run on every rank with the same rows, so a
 decision taken from them is the same everywhere; set it alike on every rank.
 
-`EarlyStopping` (`--early_stopping N`) is such a hook.
+`EarlyStopping` (`--early_stopping N`) and `LossSpikes` (`--spike_factor`, `--on_spike
+stop`) are such hooks.
 """
 
 from __future__ import annotations
@@ -166,6 +167,55 @@ def _improves(score: float, best: float, mode: str, min_delta: float) -> bool:
     return score > best + min_delta if mode == "max" else score < best - min_delta
 
 
-def steering_hooks(patience: int, min_delta: float) -> list[Hook]:
-    """The hooks the config asks for: `--early_stopping N` (every rank)."""
-    return [EarlyStopping(patience, min_delta)] if patience else []
+class LossSpikes(Hook):
+    """`--spike_factor K`: a train row whose loss is above K times the median of the train
+    rows before it (the last `HISTORY`, once there are `MIN_HISTORY`) for `--spike_rows`
+    rows running is a loss spike: one warning, naming the steps, the loss and the median.
+    With `--on_spike stop` every rank then stops at the next agreed step, with a
+    checkpoint and the spike as `stop_reason`; the step files before it are the last good
+    ones to resume from. Rows are global figures, so every rank decides alike; the history
+    is in every checkpoint, so a resumed run judges as the uninterrupted one."""
+
+    HISTORY, MIN_HISTORY = 20, 5
+
+    def __init__(self, factor: float, rows: int, stop: bool) -> None:
+        self.factor, self.rows, self.stop = factor, rows, stop
+        self.losses: list[float] = []
+        self.streak: list[int] = []  # steps of the rows above the bar, running
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": self.losses, "streak": self.streak}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses = [float(x) for x in state.get("losses", [])]
+        self.streak = [int(x) for x in state.get("streak", [])]
+
+    def on_row(self, trainer: Trainer, row: dict[str, Any]) -> None:
+        loss = row.get("loss") if row["split"] == "train" else None
+        if loss is None or loss != loss:
+            return
+        history = sorted(self.losses[-self.HISTORY:])
+        median = history[len(history) // 2] if len(history) >= self.MIN_HISTORY else None
+        if median is not None and median > 0 and loss > self.factor * median:
+            self.streak.append(int(row["step"]))
+        else:
+            self.streak = []
+            self.losses.append(float(loss))  # a spike does not raise the bar it is judged by
+        if len(self.streak) == self.rows:
+            steps = ", ".join(map(str, self.streak))
+            what = (f"loss spike: train loss {loss:.4g} at step(s) {steps} is above "
+                    f"{self.factor:g}x the running median {median:.4g}")
+            log.warning("%s%s", what, "; stopping (--on_spike stop)" if self.stop else "")
+            if self.stop:
+                trainer.steer.request_stop(what)
+
+
+def steering_hooks(config: Any) -> list[Hook]:
+    """The hooks the config asks for (every rank): `--early_stopping N`, `--spike_factor`."""
+    hooks: list[Hook] = []
+    if config.early_stopping:
+        hooks.append(EarlyStopping(config.early_stopping, config.early_stopping_min_delta))
+    if config.spike_factor:
+        hooks.append(LossSpikes(config.spike_factor, config.spike_rows,
+                                config.on_spike == "stop"))
+    return hooks

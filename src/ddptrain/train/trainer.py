@@ -153,7 +153,7 @@ class Trainer:
             self.writer, Console(), StepProfiler(config, ctx, self.steps_per_epoch),
             *([Curves(sync=config.tracker != "none")] if config.curves else []),
             *tracker_hooks(config, ctx),
-            *steering_hooks(config.early_stopping, config.early_stopping_min_delta), *hooks,
+            *steering_hooks(config), *hooks,
         ])
         # Per data-parallel rank (dropout, user aug.): tensor-parallel peers draw alike, or
         # dropout on the activations they hold whole would differ between them.
