@@ -338,13 +338,9 @@ def _main(argv: list[str]) -> int:
         global _peer_lost_at
         _peer_lost_at = time.monotonic()
         culprit = _who_stopped(exc)
-        _report(
-            f"error: lost contact with the other ranks: {culprit}; restart the job with "
-            "--resume_from auto" if culprit else
-            f"error: lost contact with the other ranks ({_first_line(exc)}): a peer died, "
-            "hung longer than --timeout_s, or the network failed; restart the job with "
-            "--resume_from auto"
-        )
+        why = culprit or "a peer died, hung longer than --timeout_s, or the network failed"
+        _report(f"error: lost contact with the other ranks ({_first_line(exc)}): {why}; "
+                "restart the job with --resume_from auto")
         _note_exit(EXIT_PEER_LOST)
         return EXIT_PEER_LOST
     except KeyboardInterrupt as exc:

@@ -16,10 +16,11 @@ other) and names the ranks that wrote none as the ones that did not reach the co
 (stopped, dead, or still in their own code). The lowest rank that reported writes
 `hang/report.txt`, and each ends with one line:
 
-    ddptrain: error: lost contact with the other ranks: rank 1 did not reach all_reduce
-    #1042 of the default group (after step 87), which rank 0 waited in at
-    ddptrain/train/metrics.py:212 (reduce_snapshots): it stopped, died or stayed in its own
-    code; report: runs/x/hang/report.txt; restart the job with --resume_from auto
+    ddptrain: error: lost contact with the other ranks (Timed out waiting 600000ms for
+    recv operation to complete): rank 1 did not reach all_reduce #1042 of the default group
+    (after step 87), which rank 0 waited in at ddptrain/train/metrics.py:212
+    (reduce_snapshots): it stopped, died or stayed in its own code; report:
+    runs/x/hang/report.txt; restart the job with --resume_from auto
 
 `ddptrain diagnose RUN_DIR` prints the report again (or makes it from the records).
 """
