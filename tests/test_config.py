@@ -136,6 +136,8 @@ def test_bad_yaml_is_refused(tmp_path: Path, yaml_text: str, needle: str) -> Non
         (["--backend", "mpi"], "invalid choice: 'mpi'"),
         (["--max_grad_norm", "-1"], "--max_grad_norm -1.0 is invalid"),
         (["--straggler_factor", "0.5"], "--straggler_factor 0.5 is invalid: use a factor above 1"),
+        (["--spike_factor", "1"], "--spike_factor 1.0 is invalid: use a factor above 1, or 0"),
+        (["--spike_rows", "0"], "--spike_rows 0 is invalid: use a whole number of at least 1"),
     ],
 )
 def test_bad_values_name_field_value_and_fix(argv: list[str], needle: str) -> None:
