@@ -186,7 +186,7 @@ def _on_own_cluster(trainer: Any) -> Any:
     cluster of someone else's it stays. Ray's private method: a Ray that renames it keeps
     its cleaner, and its noise, nothing else."""
 
-    class OwnClusterTrainer(trainer):  # type: ignore[misc, valid-type]
+    class OwnClusterTrainer(trainer):
         def _create_default_callbacks(self) -> list[Any]:
             return [c for c in super()._create_default_callbacks()
                     if type(c).__name__ != "PlacementGroupCleanerCallback"]

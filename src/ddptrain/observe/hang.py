@@ -226,7 +226,8 @@ def _recorder() -> dict[str, Any]:
     try:
         import torch
 
-        return pickle.loads(torch._C._distributed_c10d._dump_fr_trace())  # torch's own bytes
+        dump = torch._C._distributed_c10d._dump_fr_trace  # type: ignore[attr-defined]
+        return pickle.loads(dump())  # torch's own bytes
     except Exception:
         return {}
 
