@@ -100,6 +100,8 @@ def _check(how: str, procs: list[subprocess.Popen[str]], errs: list[str], what: 
     assert len(failing) == 1 and failing[0].startswith("[rank 1] ddptrain: error: "), failing
     assert what in failing[0], failing
     assert len(peer) == 1 and "lost contact with the other ranks" in peer[0], peer
+    # ...and it says why: rank 1 recorded its own end before its peer gave up waiting
+    assert "rank 1 ended on its own error (rank 1: " in peer[0], peer
 
 
 @pytest.mark.slow

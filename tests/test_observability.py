@@ -427,6 +427,21 @@ def test_a_hang_report_names_the_ranks_that_wrote_no_record(
     assert capsys.readouterr().out.startswith("every rank reported")
     assert main(["diagnose", str(tmp_path / "hang")]) == 2
     assert "holds no hang records" in capsys.readouterr().err
+    # a rank that ended on its own error says so; a record older than this process (an
+    # earlier attempt of a resumed run) is left out
+    for path in folder.glob("rank*.json"):
+        path.unlink()
+    record(0)
+    (folder / "rank1.json").write_text(json.dumps({
+        "rank": 1, "world_size": 4, "host": "node2", "step": 5, "op": None, "group": "0",
+        "seq": 12, "where": None, "error": "reading sample 200 raised ValueError",
+        "own_error": True}))
+    (folder / "rank2.json").write_text(json.dumps({"rank": 2, "time": 0.0, "world_size": 4}))
+    line = culprit_line(tmp_path, 4, rank=0, wait_s=0)
+    assert line is not None and line.startswith(
+        "rank 1 ended on its own error (rank 1: reading sample 200 raised ValueError), and "
+        "rank 0 waited for it in all_reduce #12 of the default group (after step 5)"), line
+    assert "2  -  -  -  -  no record" in (folder / "report.txt").read_text()
 
 
 def test_out_of_memory_is_one_line_with_the_step_the_state_and_the_knobs(

@@ -265,8 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not from_command or code:
             _end_workers()
-    ranks = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_STEP_NUM_TASKS", "1"))
-    if code == EXIT_PEER_LOST and ranks != "1":  # (waiting for the peers' records counts)
+    if code == EXIT_PEER_LOST and _world_size() != 1:  # (waiting for the peers' records counts)
         time.sleep(max(0.0, PEER_LOST_LINGER_S - (time.monotonic() - _peer_lost_at)))
     return code
 
@@ -274,13 +273,25 @@ def main(argv: list[str] | None = None) -> int:
 _peer_lost_at = 0.0  # when this rank found its peers lost (monotonic seconds)
 
 
+def _own_end(text: str) -> None:
+    """A rank that ends mid-training on its own error records it, so that its peers'
+    lines say so rather than that it vanished (`observe.hang`)."""
+    hang = sys.modules.get("ddptrain.observe.hang")  # loaded once a run trained
+    if hang is not None and hang.POSITION["run_dir"] is not None:
+        rank = int(_rank()) if _rank().isdigit() else 0
+        hang.write_record(None, rank, _world_size(), own_error=text)
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_STEP_NUM_TASKS", "1")))
+
+
 def _who_stopped(exc: BaseException) -> str | None:
     """This rank's record of the collective that broke, and, from its peers' records,
     which rank(s) did not reach it (`observe.hang`); None without a run directory."""
     from ddptrain.observe.hang import POSITION, culprit_line, write_record
 
-    rank = int(_rank()) if _rank().isdigit() else 0
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_STEP_NUM_TASKS", "1")))
+    rank, world = int(_rank()) if _rank().isdigit() else 0, _world_size()
     if write_record(exc, rank, world) is None:
         return None
     return culprit_line(Path(POSITION["run_dir"]), world, rank)
@@ -304,6 +315,8 @@ def _main(argv: list[str]) -> int:
         print(f"ddptrain {__version__}")
         return 0
     command = COMMANDS.get(argv[0])
+    if (hang := sys.modules.get("ddptrain.observe.hang")) is not None:
+        hang.POSITION.update(run_dir=None, progress=None)  # an earlier command's, in-process
     try:
         if command is None:
             raise ConfigError(
@@ -312,6 +325,7 @@ def _main(argv: list[str]) -> int:
         return command(argv[1:])
     except ConfigError as exc:
         _report(f"error: {exc}")
+        _own_end(str(exc))
         return EXIT_USAGE
     except TrainingStopped as exc:
         _report(f"stopped: {exc}")
@@ -331,17 +345,21 @@ def _main(argv: list[str]) -> int:
         worker = worker_failure(exc)
         if worker is not None:
             _report(f"error: {worker[0]}")
+            _own_end(worker[0])
             _note_exit(worker[1])
             return worker[1]
         if not lost_peer(exc):
             raise
+        from ddptrain.launch.signals import signals_deferred
+
         global _peer_lost_at
         _peer_lost_at = time.monotonic()
-        culprit = _who_stopped(exc)
-        why = culprit or "a peer died, hung longer than --timeout_s, or the network failed"
-        _report(f"error: lost contact with the other ranks ({_first_line(exc)}): {why}; "
-                "restart the job with --resume_from auto")
-        _note_exit(EXIT_PEER_LOST)
+        with signals_deferred():  # torchrun stops the other workers as the first one ends
+            culprit = _who_stopped(exc)
+            why = culprit or "a peer died, hung longer than --timeout_s, or the network failed"
+            _report(f"error: lost contact with the other ranks ({_first_line(exc)}): {why}; "
+                    "restart the job with --resume_from auto")
+            _note_exit(EXIT_PEER_LOST)
         return EXIT_PEER_LOST
     except KeyboardInterrupt as exc:
         code = getattr(exc, "exit_code", EXIT_INTERRUPTED)  # a signal outside training

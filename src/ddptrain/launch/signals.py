@@ -74,6 +74,27 @@ def stop_at_once_on_signals() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGTERM and SIGINT wait for the end of this block (a rank that lost its peers
+    writing its record and its line, which torchrun, stopping the other workers, would
+    cut short), then take effect as they would have."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum))
+                for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if pending:
+            os.kill(os.getpid(), pending[0])
+
+
+@contextlib.contextmanager
 def exit_at_once_on_signals(rank: int) -> Iterator[None]:
     """Around a call that blocks in C++ for up to --timeout_s (the process group's
     rendezvous): Python runs a signal's handler only once that call returns, so a thread

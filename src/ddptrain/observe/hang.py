@@ -13,7 +13,9 @@ directory, `hang/rank<R>.json`:
 
 Then it reads its peers' records for a few seconds (they fail within moments of each
 other) and names the ranks that wrote none as the ones that did not reach the collective
-(stopped, dead, or still in their own code). The lowest rank that reported writes
+(stopped, dead, or still in their own code), or the rank that ended on an error of its own
+(a sample that raised, a DataLoader worker killed, out of memory), which records its line
+(`cli`). Records from before this process started (an earlier attempt) are left out. The lowest rank that reported writes
 `hang/report.txt`, and each ends with one line:
 
     ddptrain: error: lost contact with the other ranks (Timed out waiting 600000ms for
@@ -40,6 +42,7 @@ from types import TracebackType
 from typing import Any
 
 from ddptrain.files import atomic_write_text
+from ddptrain.observe.startup import process_age
 
 FR_BUFFER = "TORCH_FR_BUFFER_SIZE"
 FR_ENTRIES = 2000  # collectives each rank remembers: a few KB of host memory
@@ -61,13 +64,15 @@ def record_dir(run_dir: Path) -> Path:
     return run_dir / "hang"
 
 
-def write_record(exc: BaseException, rank: int, world_size: int) -> Path | None:
-    """This rank's record of the collective `exc` broke, in the run directory (None: no
-    run directory yet, or it cannot be written)."""
+def write_record(exc: BaseException | None, rank: int, world_size: int,
+                 own_error: str | None = None) -> Path | None:
+    """This rank's record of the collective `exc` broke, or of its `own_error` (its line
+    when it ends on an error of its own), in the run directory (None: no run directory
+    yet, or it cannot be written)."""
     run_dir = POSITION.get("run_dir")
-    if run_dir is None:
+    if run_dir is None or (world_size < 2 and exc is None):
         return None
-    op, group, where = _failed_call(exc.__traceback__)
+    op, group, where = _failed_call(exc.__traceback__ if exc is not None else None)
     recorder, progress = _recorder(), POSITION.get("progress")
     status = recorder.get("pg_status", {}).get(group or "0", {})
     done = status.get("last_completed_collective")
@@ -79,7 +84,8 @@ def write_record(exc: BaseException, rank: int, world_size: int) -> Path | None:
         "pid": os.getpid(), "time": time.time(), "step": getattr(progress, "step", None),
         "epochs_done": getattr(progress, "epoch", None), "op": op, "group": group or "0",
         "seq": None if done is None else int(done) + 1, "where": where,
-        "error": str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "",
+        "error": own_error or (str(exc).strip().splitlines() or [""])[0][:300],
+        "own_error": own_error is not None,
         "last_done": None if last is None else (
             f"{str(last['profiling_name']).split(':')[-1]} #{done} at {last['called_at']}"),
         "collectives": entries,
@@ -101,10 +107,12 @@ def culprit_line(run_dir: Path, world_size: int, rank: int,
     report. None when there is no record of this rank."""
     folder = record_dir(run_dir)
     deadline = time.monotonic() + wait_s
-    records = read_records(folder)
+    # A record from before this process started is an earlier attempt's (a resumed run)
+    since = time.time() - process_age() - 1.0
+    records = read_records(folder, since)
     while len(records) < world_size and time.monotonic() < deadline:
         time.sleep(0.1)
-        records = read_records(folder)
+        records = read_records(folder, since)
     if rank not in records:
         return None
     text, line = report(records, world_size)
@@ -115,12 +123,14 @@ def culprit_line(run_dir: Path, world_size: int, rank: int,
     return f"{line}; report: {report_file}"
 
 
-def read_records(folder: Path) -> dict[int, dict[str, Any]]:
+def read_records(folder: Path, since: float = 0.0) -> dict[int, dict[str, Any]]:
+    """The ranks' records in `folder`, by rank; those written before `since` left out."""
     records = {}
     for path in folder.glob("rank*.json"):
         try:
             record = json.loads(path.read_text())
-            records[int(record["rank"])] = record
+            if float(record.get("time", since)) >= since:
+                records[int(record["rank"])] = record
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being written, or not ours
     return records
@@ -129,8 +139,9 @@ def read_records(folder: Path) -> dict[int, dict[str, Any]]:
 def report(records: dict[int, dict[str, Any]], world_size: int) -> tuple[str, str]:
     """The report's text and its one-line summary, from the records there are."""
     silent = [r for r in range(world_size) if r not in records]
-    waiting = sorted(records)
-    first = records[waiting[0]]
+    ended = [r for r in sorted(records) if records[r].get("own_error")]
+    waiting = [r for r in sorted(records) if r not in ended]
+    first = records[(waiting or ended)[0]]
     call = f"{first['op'] or 'collective'}"
     if first.get("seq") is not None:
         call += f" #{first['seq']}"
@@ -139,7 +150,13 @@ def report(records: dict[int, dict[str, Any]], world_size: int) -> tuple[str, st
     where = f" at {first['where']}" if first.get("where") else ""
     if first.get("last_done") and not first.get("op"):  # the recorder saw only what ended
         where += f", next after {first['last_done']}"
-    if silent:
+    if ended:
+        own = records[ended[0]]
+        line = (f"{_ranks(ended)} ended on {'its' if len(ended) == 1 else 'their'} own "
+                f"error (rank {ended[0]}: {own['error'][:160]})")
+        if waiting:
+            line += f", and {_ranks(waiting)} waited for it in {call}{step}{where}"
+    elif silent:
         one = len(silent) == 1
         line = (f"{_ranks(silent)} did not reach {call}{step}, which {_ranks(waiting)} waited "
                 f"in{where}: {'it' if one else 'they'} stopped, died or stayed in "
