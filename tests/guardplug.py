@@ -9,6 +9,7 @@ Two environment variables steer the models without changing the run's config, so
 killed run and its resume are the same run:
   GUARD_KILL_AT=N    the process of rank GUARD_KILL_RANK (default 1) SIGKILLs itself at
                      its N-th training forward: a kill at an exact step, at any load
+  GUARD_STALL_S=S    ... or, instead, sleeps S seconds there: user code that stalls
   GUARD_RECORD=DIR   the recorder appends the sample ids of each training batch to
                      DIR/rank<R>.txt, one line per batch
   GUARD_SLOW_SAVE_S=S  rank 0's first checkpoint after training began takes S seconds
@@ -49,7 +50,11 @@ class _KillSwitch:
     def tick(self) -> None:
         self.forwards += 1
         if self.at and self.forwards == self.at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            stall = float(os.environ.get("GUARD_STALL_S", "0"))
+            if stall:  # user code that takes too long: its peers wait in a collective
+                time.sleep(stall)
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- RNG: dropout + augmentation

@@ -206,6 +206,38 @@ def test_surviving_rank_exits_within_the_timeout(tmp_path: Path, how: str) -> No
     assert main(["diagnose", str(run)]) == 0
 
 
+@pytest.mark.heavy
+def test_a_rank_stalled_in_user_code_is_named_by_its_three_peers(tmp_path: Path) -> None:
+    """4 srun-style ranks; rank 2's model sleeps past --timeout_s at its 20th training
+    forward. Ranks 0, 1 and 3 each end within the timeout with one line naming rank 2,
+    the collective they waited in and its number, and the report says the same."""
+    run = tmp_path / "run"
+    timeout_s = 6
+    args = ["train", "--dataset", "breast_cancer", "--model", "guardplug:killable_mlp",
+            "--width", "16", "--batch_size", "8", "--epochs", "5", "--timeout_s", str(timeout_s),
+            "--no-tensorboard", "--output_dir", str(run)]
+    port, procs = free_port(), []
+    for rank in range(4):
+        env = child_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4",
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                         "GUARD_KILL_AT": "20", "GUARD_KILL_RANK": "2", "GUARD_STALL_S": "120"})
+        procs.append(popen([sys.executable, "-m", "ddptrain", *args], tmp_path, env))
+    try:
+        errs = {r: procs[r].communicate(timeout=180)[1] for r in (0, 1, 3)}
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    report = (run / "hang" / "report.txt").read_text()
+    for rank, err in errs.items():
+        lines = err.strip().splitlines()
+        assert procs[rank].returncode == EXIT_PEER_LOST and len(lines) == 1, err[-2000:]
+        assert "rank 2 did not reach collective #" in lines[0], lines
+        assert "which ranks 0, 1, 3 waited in at ddptrain/" in lines[0], lines
+        assert report.splitlines()[0] in lines[0], (report, lines)
+    assert "2  -  -  -  -  no record" in report, report
+
+
 def _state(pid: int) -> str:
     """The state letter of process `pid` (T: stopped)."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
