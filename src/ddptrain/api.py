@@ -385,8 +385,6 @@ def _fit(
     resume's checkpoint accepted) the claim marks the directory as this run's. Its model,
     optimizer and loaders die with this frame, before the process group is destroyed
     (see `teardown_distributed`)."""
-    import torch
-
     from ddptrain.observe import oom
     from ddptrain.train import Trainer
     from ddptrain.train.plan import Resolved as Parts
@@ -402,7 +400,7 @@ def _fit(
         claim.commit()  # every rank has read the directory's job (resolve_run) by now
     try:
         return trainer.fit()
-    except (torch.OutOfMemoryError, RuntimeError) as exc:
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one
         if not oom.is_out_of_memory(exc):
             raise
         raise oom.report(exc, trainer) from None

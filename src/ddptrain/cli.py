@@ -278,8 +278,7 @@ def _own_end(text: str) -> None:
     lines say so rather than that it vanished (`observe.hang`)."""
     hang = sys.modules.get("ddptrain.observe.hang")  # loaded once a run trained
     if hang is not None and hang.POSITION["run_dir"] is not None:
-        rank = int(_rank()) if _rank().isdigit() else 0
-        hang.write_record(None, rank, _world_size(), own_error=text)
+        hang.write_record(None, _rank_number(0), _world_size(), own_error=text)
 
 
 def _world_size() -> int:
@@ -291,7 +290,7 @@ def _who_stopped(exc: BaseException) -> str | None:
     which rank(s) did not reach it (`observe.hang`); None without a run directory."""
     from ddptrain.observe.hang import POSITION, culprit_line, write_record
 
-    rank, world = int(_rank()) if _rank().isdigit() else 0, _world_size()
+    rank, world = _rank_number(0), _world_size()
     if write_record(exc, rank, world) is None:
         return None
     return culprit_line(Path(POSITION["run_dir"]), world, rank)
@@ -371,11 +370,15 @@ def _main(argv: list[str]) -> int:
 def _note_exit(code: int) -> None:
     from ddptrain.launch.signals import note_exit
 
-    note_exit(code, int(_rank()) if _rank().isdigit() else -1)
+    note_exit(code, _rank_number(-1))
 
 
 def _rank() -> str:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+
+
+def _rank_number(unknown: int) -> int:
+    return int(_rank()) if _rank().isdigit() else unknown
 
 
 def _report(text: str) -> None:

@@ -112,7 +112,7 @@ def culprit_line(run_dir: Path, world_size: int, rank: int,
     records = read_records(folder, since)
     while len(records) < world_size and time.monotonic() < deadline:
         time.sleep(0.1)
-        records = read_records(folder, since)
+        records = read_records(folder, since, records)
     if rank not in records:
         return None
     text, line = report(records, world_size)
@@ -123,10 +123,15 @@ def culprit_line(run_dir: Path, world_size: int, rank: int,
     return f"{line}; report: {report_file}"
 
 
-def read_records(folder: Path, since: float = 0.0) -> dict[int, dict[str, Any]]:
-    """The ranks' records in `folder`, by rank; those written before `since` left out."""
-    records = {}
+def read_records(folder: Path, since: float = 0.0,
+                 known: dict[int, dict[str, Any]] | None = None) -> dict[int, dict[str, Any]]:
+    """The ranks' records in `folder`, by rank; those written before `since` left out.
+    The ranks in `known` are not read again: a rank polling for its peers' records reads
+    each file once, not once a poll (hundreds of ranks on a shared filesystem)."""
+    records = dict(known or {})
     for path in folder.glob("rank*.json"):
+        if path.stem[4:].isdigit() and int(path.stem[4:]) in records:
+            continue
         try:
             record = json.loads(path.read_text())
             if float(record.get("time", since)) >= since:
