@@ -70,6 +70,24 @@ def test_a_rank_killed_by_a_signal_is_one_line_and_128_plus_its_number() -> None
     assert failure_report({0: failed(0, 3), 1: failed(1, -15)}, 0) == (None, 3)
 
 
+def test_the_root_cause_is_the_rank_that_failed_of_itself_not_one_the_agent_stopped() -> None:
+    """torchrun picks its first failure by whole seconds: rank 0, stopped by the agent
+    (SIGTERM: exit 75), may tie with rank 1's own refusal (2) and come first."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from ddptrain.launch.torchrun import root_cause
+
+    def failed(rank: int, code: int) -> ProcessFailure:
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code,
+                              error_file="<N/A>")
+
+    assert root_cause({0: failed(0, 75), 1: failed(1, 2)}, 0) == 1
+    assert root_cause({0: failed(0, -15), 1: failed(1, 143), 2: failed(2, 3),
+                       3: failed(3, -9)}, 0) == 3
+    assert root_cause({0: failed(0, 2), 1: failed(1, 2)}, 1) == 1
+    assert root_cause({0: failed(0, 75), 1: failed(1, 75)}, 1) == 1
+
+
 @pytest.mark.parametrize(
     ("env", "needle"),
     [

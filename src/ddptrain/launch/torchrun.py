@@ -7,7 +7,9 @@ through it).
 Plain torchrun ends every failed job with its own 30-line `ChildFailedError` traceback
 after the ranks' lines, and reports any failure as exit 1. Here a rank that exits with a
 code has said why itself (ddptrain's one line, or the user's traceback): nothing follows
-it, and the job exits with that rank's code (torchrun's root cause: the first to fail). A
+it, and the job exits with that rank's code. The root cause is the first rank to fail on
+its own: torchrun's own pick goes by whole seconds, so a rank its agent stopped (exit 75,
+143 or SIGTERM) or one that lost that peer (3) may tie with it and come first. A
 rank killed by a signal says nothing, so this says it, in one line, and exits 128 + the
 signal's number (137 for SIGKILL, the out-of-memory killer's). torchrun's start-up banner
 and agent warnings are left out too; set LOGLEVEL (torchrun's own variable) to see them.
@@ -21,8 +23,24 @@ import signal
 import sys
 from typing import Any
 
+from ddptrain.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_PREEMPTED_K8S
+
 # torchrun's modules log through loggers of these names (`elastic.utils.logging`)
 AGENT_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")
+
+
+# what a rank ends with when the agent stops it, or when a peer it waits on has ended
+STOPPED = (EXIT_PREEMPTED, EXIT_PREEMPTED_K8S, EXIT_PEER_LOST, -signal.SIGTERM)
+
+
+def root_cause(failures: dict[int, Any], first: int) -> int:
+    """The rank that failed on its own, of torchrun's `failures` (global rank ->
+    ProcessFailure): torchrun's `first` unless it is one the job stopped while another
+    failed of itself (the earliest of those); `first` when every rank was stopped."""
+    own = [r for r, f in failures.items() if int(f.exitcode) not in STOPPED]
+    if not own or first in own:
+        return first
+    return min(own, key=lambda r: (failures[r].timestamp, r))
 
 
 def failure_report(failures: dict[int, Any], first: int) -> tuple[str | None, int]:
@@ -56,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         run(parse_args(argv))
     except ChildFailedError as exc:
         first, _ = exc.get_first_failure()
-        line, code = failure_report(exc.failures, first)
+        line, code = failure_report(exc.failures, root_cause(exc.failures, first))
         if line is not None:
             sys.stderr.write(line + "\n")
         return code
