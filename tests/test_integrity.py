@@ -13,6 +13,7 @@ import os
 import shutil
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -291,3 +292,59 @@ def test_a_large_ddp_state_is_written_by_every_rank() -> None:
     assert forced.checkpoint_kind_for(large, 2) == "file"
     single = resolve_strategy(TrainingConfig(), 1, "cpu")
     assert single.checkpoint_kind_for(large, 2) == "file"
+
+
+def _read() -> int:
+    return int(next(line for line in Path("/proc/self/io").read_text().splitlines()
+                    if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_a_dcp_step_is_summed_as_it_is_written_and_checked_as_it_is_read_each_byte_once(
+    tmp_path: Path, how: str
+) -> None:
+    """A save reads nothing back to checksum it; a resume that locates the directory and
+    loads it reads each byte of its shards once, and a damaged entry is refused as it is
+    read (before it is loaded), as the same error a pre-check gave."""
+    from ddptrain.checkpoint.common import DamagedCheckpoint
+    from ddptrain.checkpoint.dcp import ShardedCheckpointer, load_sharded
+    from ddptrain.checkpoint.manager import locate_resume
+    from ddptrain.files import file_crc
+
+    ctx = DistributedContext(0, 0, 1, CPU)
+    gen = torch.Generator().manual_seed(0)
+    state = {"model": {"w": torch.randn(2_000_000, generator=gen), "b": torch.randn(7)},
+             "optim": {"momentum": torch.randn(2_000_000, generator=gen), "lr": 0.1}}
+    saver = ShardedCheckpointer(tmp_path / "ckpt", ctx, keep_last=0, background=False)
+    before = _read()
+    path = saver.save(7, {"step": 7, "epoch": 0}, state, best=False)
+    assert _read() - before < 100_000, "the save read its shards back"
+    files = [p for p in path.iterdir() if p.name != META]
+    size = sum(p.stat().st_size for p in files)
+    before = _read()
+    found = locate_resume(str(path), tmp_path / "ckpt", ctx, checked_in_load=True)
+    assert found is not None
+    assert _read() - before < size / 10, "locating read the shards before the load"
+    meta = found[1]
+    assert meta["shards"] == {p.name: file_crc(p) for p in files}
+    assert set(meta["items"]) == {"model.w@0", "model.b@0", "optim.momentum@0", "optim.lr"}
+
+    def load() -> tuple[dict[str, Any], int]:
+        into = {"model": {"w": torch.zeros(2_000_000), "b": torch.zeros(7)},
+                "optim": {"momentum": torch.zeros(2_000_000), "lr": 0.0}}
+        before = _read()
+        load_sharded(path, into, meta)
+        return into, _read() - before
+
+    into, read = load()
+    assert size <= read < 1.05 * size, f"{read} bytes read for {size} bytes of shards"
+    assert torch.equal(into["model"]["w"], state["model"]["w"])
+    assert into["optim"]["lr"] == 0.1
+    (shard,) = path.glob("*.distcp")
+    if how == "flip":
+        _flip(shard, shard.stat().st_size // 2)
+    else:
+        os.truncate(shard, shard.stat().st_size // 2)
+    with pytest.raises(DamagedCheckpoint, match=rf"is damaged: {shard.name}.* (does not match "
+                       "its checksum|short of an entry)"):
+        load()

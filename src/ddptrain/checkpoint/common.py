@@ -222,8 +222,12 @@ def forget_reads() -> None:
     _verified.clear()
 
 
-def damaged(path: Path, damage: str) -> CheckpointError:
-    return CheckpointError(
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint's bytes do not match the checksums written with them."""
+
+
+def damaged(path: Path, damage: str) -> DamagedCheckpoint:
+    return DamagedCheckpoint(
         f"checkpoint {str(path)!r} is damaged: {damage}; give another checkpoint, or "
         "--resume_from auto (which skips damaged ones)"
     )

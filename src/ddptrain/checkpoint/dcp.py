@@ -19,9 +19,11 @@ flight: the next save, a stop and the end of the run wait for it first. The copi
 into staging buffers kept from one save to the next (pinned on CUDA, so the copy off the
 GPU is fast), and the save plan, the same at every save, is agreed on once and cached.
 
-Once a save is written, every rank checksums its share of the directory's files and rank
-0 records them in `meta.pt` (`shards`); a resume checks them the same way, every rank its
-share, before it loads a byte (`integrity`).
+Every rank takes the checksums of what it writes as it writes it, each file's and each
+entry's (`summing`), and rank 0 records them in `meta.pt` (`shards`, `items`). A resume
+checks each entry's bytes as it reads them, once (`SafeReader`); a directory read whole in
+one process (export, evaluate, --init_from) is checked file by file first, every rank its
+share (`shards_damage`).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ import re
 import shutil
 import time
 import warnings
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -62,8 +65,9 @@ from ddptrain.checkpoint.common import (
     stamped,
 )
 from ddptrain.checkpoint.integrity import share
+from ddptrain.checkpoint.summing import Damaged, SummingWriter, item_key, verified_range
 from ddptrain.context import DistributedContext
-from ddptrain.files import atomic_write_text, file_crc, files_damage, fsync_dir
+from ddptrain.files import atomic_write_text, files_damage, fsync_dir
 
 META = "meta.pt"
 LATEST_DIR = "latest"
@@ -118,17 +122,46 @@ def load_metadata(data: bytes) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's filesystem reader, reading `.metadata` with `load_metadata`."""
+    """DCP's filesystem reader, reading `.metadata` with `load_metadata`. Given the sums
+    a save took (`summing`: `files`, `items`), it checks `.metadata` and each entry's
+    byte range as it reads them, once: `Damaged` when one does not match."""
+
+    def __init__(self, path: str, sums: dict[str, Any] | None = None) -> None:
+        super().__init__(path)
+        sums = sums or {}
+        self.files: dict[str, list[int]] = sums.get("files") or {}
+        self.items: dict[str, list[int]] = sums.get("items") or {}
+        self._want: dict[tuple[str, int], list[int]] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
         with self.fs.create_stream(path, "rb") as f:
-            metadata = load_metadata(f.read())
+            data = f.read()
+        want = self.files.get(path.name)
+        if want is not None and [len(data), zlib.crc32(data)] != list(want):
+            raise Damaged(f"{path.name} does not match its checksum")
+        metadata = load_metadata(data)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         assert metadata.storage_meta is not None
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
+                              *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        if self.items:
+            self._want = {
+                (info.relative_path, info.offset): self.items[item_key(index)]
+                for index, info in (metadata.storage_data or {}).items()
+                if item_key(index) in self.items
+            }
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        want = self._want.get((sinfo.relative_path, sinfo.offset))
+        if want is None:
+            return super()._slice_file(file, sinfo)
+        return verified_range(file, sinfo.relative_path, sinfo.offset, sinfo.length, want)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -238,7 +271,8 @@ class ShardedCheckpointer:
             use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
             use_non_blocking_copy=on_gpu,
         )) if background else None
-        self._pending: tuple[Any, Path, Path, dict[str, Any], bool] | None = None  # a Future
+        # (a Future, partial, final, meta, best, the writer)
+        self._pending: tuple[Any, Path, Path, dict[str, Any], bool, SummingWriter] | None = None
         self.blocking_s: list[float] = []  # time each save held up training
 
     def save(self, step: int, meta: dict[str, Any], state: dict[str, Any], best: bool) -> Path:
@@ -251,39 +285,40 @@ class ShardedCheckpointer:
             dist.barrier(group=self.group)
         t0 = time.perf_counter()
         failure: BaseException | None = None
+        writer = SummingWriter(partial)  # the checksums, taken as the bytes are written
         try:
             planner = DefaultSavePlanner(enable_plan_caching=True)
             if self.background:
                 future = dcp.async_save(
                     state, checkpoint_id=partial, process_group=self.group,
-                    async_stager=self.stager, planner=planner,
+                    async_stager=self.stager, planner=planner, storage_writer=writer,
                 )
-                self._pending = (future, partial, final, meta, best)
+                self._pending = (future, partial, final, meta, best, writer)
             else:
                 with _one_process_quietly():
                     dcp.save(
                         state, checkpoint_id=partial, planner=planner,
-                        process_group=self.group,
+                        process_group=self.group, storage_writer=writer,
                     )
         except (Exception, CheckpointException) as exc:  # every rank's error; one line follows
             failure = dcp_cause(exc)
         self.blocking_s.append(time.perf_counter() - t0)
         if failure is not None or not self.background:
-            self._commit(partial, final, meta, best, failure)
+            self._commit(partial, final, meta, best, failure, writer)
         return final
 
     def wait(self) -> None:
         """Finish the save in flight, if any (collective)."""
         if self._pending is None:
             return
-        future, partial, final, meta, best = self._pending
+        future, partial, final, meta, best, writer = self._pending
         self._pending = None
         failure: BaseException | None = None
         try:
             future.result()
         except (Exception, CheckpointException) as exc:
             failure = dcp_cause(exc)
-        self._commit(partial, final, meta, best, failure)
+        self._commit(partial, final, meta, best, failure, writer)
 
     def close(self) -> None:
         """Finish the save in flight and free the staging buffers."""
@@ -294,31 +329,29 @@ class ShardedCheckpointer:
 
     def _commit(
         self, partial: Path, final: Path, meta: dict[str, Any], best: bool,
-        failure: BaseException | None,
+        failure: BaseException | None, writer: SummingWriter,
     ) -> None:
-        """Every rank checksums its share of the files, rank 0 makes the directory whole
-        and gives it its name; all learn if it could."""
-        sums: dict[str, list[int]] | None = None
-        if failure is None:
-            try:
-                names = [p.name for p in partial.iterdir() if p.name != META]
-                mine = share(names, self.ctx.rank, self.ctx.world_size)
-                sums = {name: file_crc(partial / name) for name in mine}
-            except OSError as exc:
-                failure = exc
-        if self.ctx.distributed:  # rank 0 records them all; a rank that failed sends None
+        """Rank 0 gathers the checksums every rank took of what it wrote, makes the
+        directory whole and gives it its name; all learn if it could."""
+        sums = (writer.files, writer.items) if failure is None else None
+        files: dict[str, list[int]] = {}
+        items: dict[str, list[int]] = {}
+        if self.ctx.distributed:  # a rank that failed sends None
             every: list[Any] = [None] * self.ctx.world_size if self.ctx.is_main else []
             dist.gather_object(
                 sums, every if self.ctx.is_main else None, dst=0, group=self.group
             )
-            if self.ctx.is_main:
-                parts = [part for part in every if part is not None]
-                sums = {k: v for part in parts for k, v in part.items()}
-                if len(parts) < self.ctx.world_size and failure is None:
-                    failure = OSError("a rank could not read back the files it wrote")
+            parts = [part for part in every if part is not None]
+            if self.ctx.is_main and len(parts) < self.ctx.world_size and failure is None:
+                failure = OSError("a rank could not write its share")
+        else:
+            parts = [sums] if sums is not None else []
+        for rank_files, rank_items in parts:
+            files.update(rank_files)
+            items.update(rank_items)
         if self.ctx.is_main and failure is None:
             try:
-                atomic_save(stamped({**meta, "shards": sums or {}}), partial / META)
+                atomic_save(stamped({**meta, "shards": files, "items": items}), partial / META)
                 if final.exists():  # the same step saved again (an epoch end after a step)
                     shutil.rmtree(final)
                 os.replace(partial, final)
@@ -391,18 +424,25 @@ def dcp_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def load_sharded(path: Path, state: dict[str, Any]) -> None:
-    """Collective: fill `state` (what `Strategy.sharded_state` returns) from `path`."""
+def load_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
+    """Collective: fill `state` (what `Strategy.sharded_state` returns) from `path`, each
+    entry checked as it is read against the checksums in `meta` (its `meta.pt`), when
+    given: a damaged one is `damaged`, the same error on every rank."""
+    sums = {"files": meta.get("shards"), "items": meta.get("items")} if meta else None
     try:
         with _one_process_quietly():
             dcp.load(
-                state, checkpoint_id=path, storage_reader=SafeReader(str(path)),
+                state, checkpoint_id=path, storage_reader=SafeReader(str(path), sums),
                 planner=SafeLoadPlanner(),
             )
     except (Exception, CheckpointException) as exc:  # DCP's own derives from BaseException
         cause = dcp_cause(exc)
         if isinstance(cause, ForeignMetadata):
             raise _refused(path, str(cause)) from None
+        if isinstance(cause, Damaged):
+            raise damaged(path, str(cause)) from None
+        if isinstance(cause, FileNotFoundError) and meta and meta.get("items"):
+            raise damaged(path, f"{Path(str(cause.filename)).name} is missing") from None
         text = str(cause).strip()
         reason = text.splitlines()[0][:200] if text else type(cause).__name__
         missing = re.findall(r"Missing key in checkpoint state_dict: ([\w.]+)", str(exc))

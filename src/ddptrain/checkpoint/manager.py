@@ -90,7 +90,7 @@ def find_resumable(
             try:
                 payload = load_checkpoint(path, device, verify)
             except CheckpointError as exc:
-                _skipping(exc)
+                skipping(exc)
                 skip.append(path)
                 continue
             if best is None or payload["step"] > best[1]["step"]:
@@ -99,7 +99,7 @@ def find_resumable(
     return best
 
 
-def _skipping(error: CheckpointError) -> None:
+def skipping(error: CheckpointError) -> None:
     """Warn of an unusable checkpoint once per start, however often it is looked for
     (the run directory's claim and the resume each look); `Checkpointer.load` forgets."""
     if str(error) not in _skipped:
@@ -125,20 +125,26 @@ def _same_file(path: Path, others: Sequence[Path]) -> bool:
 
 
 def locate_resume(
-    source: str | None, directory: Path, ctx: DistributedContext
+    source: str | None, directory: Path, ctx: DistributedContext,
+    skip: Sequence[Path] = (), checked_in_load: bool = False,
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The checkpoint a run resumes from (`--resume_from PATH | auto`), checked, or None.
+    """The checkpoint a run resumes from (`--resume_from PATH | auto`), checked, or None;
+    never one of `skip`.
 
     Collective: rank 0 decides and every rank loads what it chose, so ranks that see the
     job differently (a node that joined an elastic job, a checkpoint written meanwhile)
     never start from different states; an unusable checkpoint is the same error on all.
     Rank 0 checks a file's checksums as it locates it; a step directory's shards are
-    checked by every rank, its share. A damaged newest checkpoint is skipped with a
-    warning under `auto` (the previous whole one is used); a damaged path is refused."""
-    skip: list[Path] = []
+    checked by every rank, its share, unless `checked_in_load` and the directory has the
+    checksums of its entries (the load checks each as it reads it: `Checkpointer.load`).
+    A damaged newest checkpoint is skipped with a warning under `auto` (the previous
+    whole one is used); a damaged path is refused."""
+    skip = list(skip)
     while True:
         found = _agree_on(source, directory, ctx, skip)
         if found is None or not found[0].is_dir():
+            return found
+        if checked_in_load and found[1].get("items"):
             return found
         damage = shards_damage(found[0], found[1], ctx)
         if damage is None:
@@ -146,7 +152,7 @@ def locate_resume(
         error = damaged(found[0], damage)
         if source != "auto":
             raise error
-        _skipping(error)
+        skipping(error)
         skip.append(found[0])
 
 
@@ -246,9 +252,13 @@ class Checkpointer:
         if self.sharded is not None:
             self.sharded.close()
 
-    def locate(self, source: str | None) -> tuple[Path, dict[str, Any]] | None:
-        """The checkpoint `--resume_from` names (a path, or `auto`), as rank 0 chose it."""
-        return locate_resume(source, self.directory, self.ctx)
+    def locate(
+        self, source: str | None, skip: Sequence[Path] = (), checked_in_load: bool = False
+    ) -> tuple[Path, dict[str, Any]] | None:
+        """The checkpoint `--resume_from` names (a path, or `auto`), as rank 0 chose it,
+        other than `skip`; `checked_in_load`: a step directory's entries are left to
+        `load` to check, as it reads them (`locate_resume`)."""
+        return locate_resume(source, self.directory, self.ctx, skip, checked_in_load)
 
     def load(
         self, path: Path, payload: dict[str, Any], module: nn.Module,
@@ -264,7 +274,7 @@ class Checkpointer:
             state: dict[str, Any] = {"model": model, "optim": optim}
             if averages is not None:
                 state[EMA_KEY] = averages
-            load_sharded(path, state)
+            load_sharded(path, state, payload)
             self.strategy.load_state(module, optimizer, state["model"], state["optim"], full=False)
         else:
             check_model_state(module, payload["model_state_dict"], path)

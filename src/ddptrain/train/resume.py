@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch.optim.lr_scheduler import LambdaLR
 
-from ddptrain.checkpoint.common import CheckpointError
+from ddptrain.checkpoint.common import CheckpointError, DamagedCheckpoint
 from ddptrain.checkpoint.dcp import BEST_DIR
-from ddptrain.checkpoint.manager import EMA_FILE_KEY
+from ddptrain.checkpoint.manager import EMA_FILE_KEY, skipping
 from ddptrain.checkpoint.pt import BEST
 from ddptrain.checkpoint.rng import set_rng_state
 from ddptrain.checkpoint.schema import APPLIED, LAYOUT, Progress, changed, refuse_incompatible
@@ -36,16 +36,25 @@ def restore(trainer: Trainer) -> str | None:
     """Load the checkpoint `--resume_from` names (rank 0 decides which) into `trainer`;
     returns its path, or None for a fresh start. Collective."""
     cfg = trainer.config
-    found = trainer.checkpoints.locate(cfg.resume_from)
-    if found is None:
-        return None
-    path, payload = found
     current = cfg.to_dict()
-    refuse_incompatible(payload, current, trainer.task.name, str(path))
     # The run's own settings per group (lr, weight decay, ...), before the checkpoint's
     # overwrite them: the state is the checkpoint's, the settings the run's.
     fresh = [hyperparameters(g) for g in trainer.optimizer.param_groups]
-    _load_weights(trainer, path, payload)
+    skip: list[Path] = []
+    while True:  # a step directory's entries are checked as they load, each read once
+        found = trainer.checkpoints.locate(cfg.resume_from, skip, checked_in_load=True)
+        if found is None:
+            return None
+        path, payload = found
+        refuse_incompatible(payload, current, trainer.task.name, str(path))
+        try:
+            _load_weights(trainer, path, payload)
+            break
+        except DamagedCheckpoint as exc:  # every rank's: the load is collective
+            if cfg.resume_from != "auto":
+                raise
+            skipping(exc)  # the previous one overwrites all that this one loaded
+            skip.append(path)
     _regroup(trainer, payload, fresh)
     trainer.model = trainer.strategy.resume_module(
         trainer.model, trainer.module, payload.get("strategy_state") or {}

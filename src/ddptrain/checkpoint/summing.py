@@ -1,0 +1,149 @@
+"""Checksums of a DCP step directory taken in the one pass that writes it, and checked in
+the one pass that reads it.
+
+A save writes through `SummingWriter`, DCP's filesystem writer with its streams wrapped:
+each file's [bytes, crc32] (`files`, the same sums `integrity.share` splits among the
+ranks for a whole-directory check) and each stored item's (`items`: one tensor chunk or
+one entry saved as bytes, by `item_key`) are taken from the bytes as they go to disk, so
+nothing is read back. A resume reads each item's byte range once, whole, and checks it
+against `items` before DCP deserialises it (`verified_range`): each byte is read once,
+by the rank that needs it, and a damaged range is `Damaged`, never loaded.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zlib
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageWriterTransforms
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem
+
+
+class Damaged(Exception):
+    """Bytes of a checkpoint do not match the checksum written with them."""
+
+
+def item_key(index: MetadataIndex) -> str:
+    """A stored item's name in `items`: its state-dict key and, for a chunk, its offsets."""
+    if index.offset is None:
+        return index.fqn
+    return f"{index.fqn}@{','.join(str(int(o)) for o in index.offset)}"
+
+
+class _Summed(io.RawIOBase):
+    """A writable stream that passes every byte on to `raw` and keeps their CRC-32."""
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self.raw, self.size, self.crc = raw, 0, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = self.raw.write(view)
+        n = len(view) if n is None else n
+        self.crc = zlib.crc32(view[:n], self.crc)
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.on_close()
+        super().close()  # flushes
+        self.raw.close()
+
+    def on_close(self) -> None:
+        """What the stream's owner records once every byte has gone by."""
+
+    @property
+    def sums(self) -> list[int]:
+        return [self.size, self.crc]
+
+
+class _SummingFileSystem(FileSystem):
+    """DCP's filesystem, keeping [bytes, crc] of every file written, by name."""
+
+    def __init__(self, files: dict[str, list[int]]) -> None:
+        self.files = files
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            summed = _Summed(stream)
+            yield summed
+        self.files[Path(path).name] = summed.sums
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)  # `.metadata.tmp` -> `.metadata`
+        sums = self.files.pop(Path(path).name, None)
+        if sums is not None:
+            self.files[Path(new_path).name] = sums
+
+
+class _SummingTransforms(_StorageWriterTransforms):
+    """DCP's per-item write streams, each one's [bytes, crc] kept by `item_key`. No
+    transform is added: the files and `.metadata` are DCP's own, readable by any DCP."""
+
+    def __init__(self, items: dict[str, list[int]]) -> None:
+        super().__init__(None)
+        self.items = items
+
+    def transform_save_stream(
+        self, write_item: WriteItem, raw_stream: io.IOBase
+    ) -> tuple[IO[bytes], list[str]]:
+        inner, descriptors = super().transform_save_stream(write_item, raw_stream)
+        summed = _Summed(inner)
+        items, key = self.items, item_key(write_item.index)
+
+        def record() -> None:
+            items[key] = summed.sums
+
+        summed.on_close = record  # type: ignore[method-assign]
+        return summed, descriptors  # type: ignore[return-value]
+
+
+class SummingWriter(FileSystemWriter):
+    """DCP's filesystem writer that keeps the checksums of what this rank wrote: `files`
+    ({file name: [bytes, crc]}) and `items` ({`item_key`: [bytes, crc]})."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.files: dict[str, list[int]] = {}
+        self.items: dict[str, list[int]] = {}
+        self.fs = _SummingFileSystem(self.files)
+        self.transforms = _SummingTransforms(self.items)
+
+
+def verified_range(file: IO[bytes], name: str, offset: int, length: int,
+                   want: list[int]) -> io.BytesIO:
+    """The `length` bytes at `offset` of `file` (named `name`), read once and checked
+    against `want` ([bytes, crc]); `Damaged` when they do not match."""
+    file.seek(offset)
+    data = file.read(length)
+    if len(data) != want[0]:
+        raise Damaged(f"{name} ends {length - len(data)} bytes short of an entry (truncated)")
+    if zlib.crc32(data) != want[1]:
+        raise Damaged(f"{name}: the entry at byte {offset} does not match its checksum")
+    return io.BytesIO(data)
