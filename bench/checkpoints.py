@@ -5,14 +5,17 @@ A 20-layer MLP of 4096 x 4096 linear layers (336M parameters) trained one AdamW 
 gloo, `OMP_NUM_THREADS=1`) every strategy and checkpoint kind saves it once through
 `ddptrain.checkpoint.Checkpointer` (what the trainer calls), then resumes it:
 
-    .venv/bin/python bench/checkpoints.py [--layers 20] [--tree DIR --label before]
+    .venv/bin/python bench/checkpoints.py [--layers 20] [--cases ddp-file,fsdp-dcp]
+        [--label raw | --tree DIR --label before]
 
 Per rank it records the save's wall time (for `--async_checkpoint` also the time it held
 training up), the bytes the process wrote (`wchar`), and for the resume (page cache
 dropped first, so the reads are real) the wall time to locate, check and load the
 checkpoint, the bytes it read from storage (`read_bytes`, which counts memory-mapped
 reads) and its peak RSS growth. `--tree DIR` runs another checkout's `src` (e.g. the
-code before a change) under the same harness and files its rows under `--label`.
+code before a change) under the same harness and files its rows under `--label`;
+`--label raw` saves and loads the same state with plain torch instead (`Raw`), the floor
+the other rows are divided by. Each `--layers` is a table of its own.
 
 The report goes into docs/BENCHMARKS.md between `<!-- checkpoints:start -->` and
 `<!-- checkpoints:end -->`; raw figures in runs/bench/checkpoints.json.
@@ -85,10 +88,14 @@ def worker(args: argparse.Namespace) -> None:
     optimizer.zero_grad(set_to_none=True)
     checkpoints = Checkpointer(config, ctx, strategy, args.format)
     meta = {"epoch": 0, "step": 1, "samples_in_epoch": 0, "bad_steps": 0, "bad_streak": 0}
+    raw = Raw(args, module, optimizer) if args.raw else None
 
     dist.barrier()
     io0, t0 = _io(), time.perf_counter()
-    checkpoints.save(1, meta, module, optimizer, best=True)  # an epoch end that is the best
+    if raw is not None:
+        raw.save()
+    else:
+        checkpoints.save(1, meta, module, optimizer, best=True)  # an epoch end, the best
     blocking = time.perf_counter() - t0
     checkpoints.wait()
     save_s = time.perf_counter() - t0
@@ -102,10 +109,13 @@ def worker(args: argparse.Namespace) -> None:
     Path("/proc/self/clear_refs").write_text("5\n")  # VmHWM starts over
     rss0 = _rss_peak_kb()
     io0, t0 = _io(), time.perf_counter()
-    found = checkpoints.locate("auto")
-    assert found is not None
-    checkpoints.load(found[0], found[1], module, optimizer)
-    del found
+    if raw is not None:
+        raw.load()
+    else:
+        found = checkpoints.locate("auto")
+        assert found is not None
+        checkpoints.load(found[0], found[1], module, optimizer)
+        del found
     resume_s = time.perf_counter() - t0
     io1 = _io()
     row = {
@@ -120,6 +130,54 @@ def worker(args: argparse.Namespace) -> None:
     del checkpoints, optimizer, module
     dist.barrier()
     dist.destroy_process_group()
+
+
+class Raw:
+    """The same state saved and loaded by hand with plain torch, the floor a checkpoint
+    is held to: `.pt` (ddp) through `torch.save`/`torch.load`, a step directory (fsdp,
+    zero) through `dcp.save`/`dcp.load` of `get_state_dict`; no checksums, no atomic
+    rename, no progress, no pointer files."""
+
+    def __init__(self, args: argparse.Namespace, module: Any, optimizer: Any) -> None:
+        import torch.distributed as dist
+
+        self.args, self.module, self.optimizer = args, module, optimizer
+        self.rank = dist.get_rank()
+        self.path = args.dir / ("raw.pt" if args.format == "file" else "raw-dcp")
+
+    def save(self) -> None:
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.args.format == "file":
+            if self.rank == 0:
+                state = {"model": self.module.state_dict(), "optim": self.optimizer.state_dict()}
+                with self.path.open("wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            dist.barrier()
+        else:
+            model, optim = get_state_dict(self.module, self.optimizer)
+            dcp.save({"model": model, "optim": optim}, checkpoint_id=self.path)
+
+    def load(self) -> None:
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        if self.args.format == "file":
+            state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+            self.module.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optim"])
+        else:
+            model, optim = get_state_dict(self.module, self.optimizer)
+            state = {"model": model, "optim": optim}
+            dcp.load(state, checkpoint_id=self.path)
+            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
 
 
 def run_case(
@@ -137,6 +195,8 @@ def run_case(
            "--layers", str(args.layers), "--width", str(args.width)]
     if use_async:
         cmd.append("--use_async")
+    if args.label == "raw":
+        cmd.append("--raw")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         print(proc.stderr[-3000:], file=sys.stderr)
@@ -152,46 +212,57 @@ def _gb(n: float) -> str:
 
 def report(results: dict[str, Any]) -> str:
     lines = [
-        "## Checkpoints of a 4 GB state (1.0B floats: 336M parameters + AdamW)", "",
-        f"`bench/checkpoints.py`, {results['date']}: a {results['layers']}-layer MLP of "
-        f"{results['width']} x {results['width']} linear layers, one AdamW step, on 2 CPU "
-        "ranks (gloo, one thread each); one save and one resume per row, through "
-        "`Checkpointer` as the trainer calls it. Per rank: the save's wall time (async: "
-        "the time it held training up, then the whole save), the bytes the process wrote, "
-        "and after the page cache is dropped the resume's wall time (locate, checksums, "
-        "load), the bytes it read from storage and its peak RSS growth. *before* is the "
-        "code before checksums, links and the save group; *after* is this tree.", "",
-        "| code | strategy | format | save s (rank 0 / 1) | held training s | GB written "
-        "(rank 0 / 1) | resume s | GB read (rank 0 / 1) | peak RSS growth GB (rank 0 / 1) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "## Checkpoints of large states against plain torch", "",
+        f"`bench/checkpoints.py`, {results['date']}: MLPs of {results['width']} x "
+        f"{results['width']} linear layers, one AdamW step, on 2 CPU ranks (gloo, one "
+        "thread each); one save and one resume per row, through `Checkpointer` as the "
+        "trainer calls it. Per rank: the save's wall time (async: the time it held "
+        "training up, then the whole save), the bytes the process wrote, and after the "
+        "page cache is dropped the resume's wall time (locate, checksums, load), the bytes "
+        "it read from storage and its peak RSS growth. *raw* is the same state through "
+        "plain `torch.save`/`torch.load` (ddp's `.pt`) or `dcp.save`/`dcp.load` (a step "
+        "directory), with no checksums, atomic rename or progress; *x raw* divides by "
+        "it. *before* is the code before the change the note names; *after* is this tree.",
     ]
-    for label, cases in results["runs"].items():
-        for key, rows in cases.items():
-            strategy, fmt, mode = key.split("-")
-            r0, r1 = rows
-            held = f"{r0['blocking_s']:.1f}" if mode == "async" else "="
-            lines.append(
-                f"| {label} | {strategy} | {fmt}{' async' if mode == 'async' else ''} | "
-                f"{r0['save_s']:.1f} / {r1['save_s']:.1f} | {held} | "
-                f"{_gb(r0['written'])} / {_gb(r1['written'])} | "
-                f"{max(r0['resume_s'], r1['resume_s']):.1f} | "
-                f"{_gb(r0['read'])} / {_gb(r1['read'])} | "
-                f"{_gb(r0['rss_growth'])} / {_gb(r1['rss_growth'])} |"
-            )
-    lines += ["", "Reading the table: a ddp `.pt` is written by rank 0 alone and read whole "
+    for layers, size in sorted(results["sizes"].items(), key=lambda kv: int(kv[0])):
+        floats = 3 * int(layers) * (results["width"] ** 2 + results["width"])
+        lines += [
+            "", f"### {layers} layers: {floats / 1e9:.2f}B floats ({4 * floats / 1e9:.1f} GB "
+            "of parameters and AdamW moments)", "",
+            "| code | strategy | format | save s (rank 0 / 1) | x raw | held training s | "
+            "GB written (rank 0 / 1) | resume s | x raw | GB read (rank 0 / 1) | "
+            "peak RSS growth GB (rank 0 / 1) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        raw = size["runs"].get("raw", {})
+        for label, cases in size["runs"].items():
+            for key, rows in cases.items():
+                strategy, fmt, mode = key.split("-")
+                r0, r1 = rows
+                held = f"{r0['blocking_s']:.1f}" if mode == "async" else "="
+                resume = max(r0["resume_s"], r1["resume_s"])
+                base = raw.get(f"{strategy}-{fmt}-sync")
+                save_x = resume_x = "="
+                if base is not None and label != "raw":
+                    save_x = f"{r0['save_s'] / base[0]['save_s']:.2f}"
+                    resume_x = f"{resume / max(b['resume_s'] for b in base):.2f}"
+                lines.append(
+                    f"| {label} | {strategy} | {fmt}{' async' if mode == 'async' else ''} | "
+                    f"{r0['save_s']:.1f} / {r1['save_s']:.1f} | {save_x} | {held} | "
+                    f"{_gb(r0['written'])} / {_gb(r1['written'])} | {resume:.1f} | {resume_x} | "
+                    f"{_gb(r0['read'])} / {_gb(r1['read'])} | "
+                    f"{_gb(r0['rss_growth'])} / {_gb(r1['rss_growth'])} |"
+                )
+    lines += ["", "Reading the tables: a ddp `.pt` is written by rank 0 alone and read whole "
               "by every rank (each rank needs the whole state); a DCP directory is written "
               "in parts by every rank (replicated tensors once, spread over the ranks) and "
-              "each rank reads what it holds. The save is an epoch end that is the best so far: "
-              "*before*, ddp's `.pt` wrote the state three times (the step file and the "
-              "copies `latest.pt`, `best.pt`); *after* once (hard links). "
-              "The checksums cost a read of each file by the rank that checks it: at save, "
-              "from the page cache the write just filled; at resume, the first read of the "
-              "bytes the load then takes from the page cache. The RSS column counts mapped "
-              "file pages too: *after*, rank 0's checksum pass maps the whole `.pt` (page "
-              "cache, not a copy); *before*, the `.pt` resume read less because a CPU "
-              "optimizer's state stayed mapped from the file, unread until the first step "
-              "after the resume (outside this measure). Times are one run each on 2 shared "
-              "cores: differences of a second or two are noise; bytes are exact.", ""]
+              "each rank reads what it holds. The save is an epoch end that is the best so "
+              "far (`latest.pt` and `best.pt` are hard links to the step file). A DCP save "
+              "takes its checksums from the bytes as they are written and a resume checks "
+              "each entry's bytes as it reads them; a `.pt` resume maps the file and checks "
+              "each tensor from the page cache the read filled. The RSS column counts mapped "
+              "file pages too. Times are one run each on 2 shared cores: differences of a "
+              "second or two are noise; bytes are exact.", ""]
     return "\n".join(lines)
 
 
@@ -211,6 +282,9 @@ def main() -> int:
     parser.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
     parser.add_argument("--format", default="file", help=argparse.SUPPRESS)
     parser.add_argument("--use_async", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cases", default="",
+                        help="comma-separated strategy-format[-async] cases (default: all)")
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, default=20)
@@ -227,17 +301,21 @@ def main() -> int:
         worker(args)
         return 0
     results: dict[str, Any] = (
-        json.loads(args.results.read_text()) if args.results.exists() else {"runs": {}}
+        json.loads(args.results.read_text()) if args.results.exists() else {"sizes": {}}
     )
     if not args.report_only:
         runs: dict[str, Any] = {}
+        chosen = {c if c.count("-") == 2 else f"{c}-sync" for c in args.cases.split(",") if c}
         for strategy, fmt, use_async in CASES:
             key = f"{strategy}-{fmt}-{'async' if use_async else 'sync'}"
+            if (chosen and key not in chosen) or (args.label == "raw" and use_async):
+                continue
             print(f"{args.label}: {key}", flush=True)
             runs[key] = run_case(strategy, fmt, use_async, args, args.work)
-        results["runs"][args.label] = runs
+        size = results.setdefault("sizes", {}).setdefault(str(args.layers), {"runs": {}})
+        size["runs"].setdefault(args.label, {}).update(runs)
         results.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                       layers=args.layers, width=args.width)
+                       width=args.width)
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(results, indent=1))
     write_section(ROOT / "docs" / "BENCHMARKS.md", report(results))
