@@ -40,7 +40,9 @@ def _ok(proc: subprocess.CompletedProcess[str]) -> None:
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("strategy", ["ddp", "zero", "fsdp"])
+# ddp's kill and resume: tests/test_faults.py (one process) and the EMA, Ray, Slurm and
+# pod proofs (2 ranks); the sharded states here, at 4 ranks
+@pytest.mark.parametrize("strategy", ["zero", "fsdp"])
 def test_sigkill_then_resume_on_four_ranks_is_bitwise_exact(
     tmp_path: Path, strategy: str
 ) -> None:

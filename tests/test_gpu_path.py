@@ -15,9 +15,12 @@ those of step k's metric sync (if any) and of step k+1's forward, backward and o
 step. The only reads allowed:
 
 - the metric sync (`reduce_snapshots`), at most one read, on the steps that sync;
-- the non-finite check, one read per step (`Strategy.grads_finite`, or the clipped norm's
-  `isfinite`), when `--max_bad_steps` > 0: skipping a step on every rank is a host
-  decision. With `--max_bad_steps 0` a step that does not sync reads nothing.
+- the verdict of the non-finite check, one read per step, when `--max_bad_steps` > 0:
+  the step itself is skipped on the device (fused optimizers), and `Verdicts.settle`
+  reads the flag once, after the next step's forward and backward are queued (on a GPU
+  from a pinned copy: nothing waits), or at once where a log row or a sync needs its
+  figures. No read is made where the step is taken (`optimizer_step`). With
+  `--max_bad_steps 0` a step that does not sync reads nothing.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from ddptrain.observe import Hook
 SRC = str(Path(__file__).resolve().parent.parent / "src" / "ddptrain")
 HOST_SIDE = (f"{SRC}/data/",)  # index lists and host batches, before the device move
 SYNC_SITE = "reduce_snapshots"
-FINITE_SITES = ("grads_finite", "_optimizer_step")
+FINITE_SITES = ("settle",)
 
 
 def _site() -> str | None:
@@ -114,6 +117,7 @@ class Watch(Hook):
     def __init__(self, reads: HostReads) -> None:
         self.reads = reads
         self.synced: set[int] = set()
+        self.unread: set[int] = set()
         self.last = 0
 
     def on_epoch_start(self, trainer: Any, epoch: int) -> None:
@@ -131,6 +135,9 @@ class Watch(Hook):
 
     def on_step_end(self, trainer: Any) -> None:
         self.reads.step = self.last = trainer.progress.step
+        held = trainer.verdicts._held
+        if held is not None and held[0] == trainer.progress.step:
+            self.unread.add(trainer.progress.step)  # its verdict is still on the device
 
     def on_row(self, trainer: Any, row: dict[str, Any]) -> None:
         if row["split"] == "val" and self.reads._patched:
@@ -146,6 +153,8 @@ def _check(watch: Watch, finite_reads: int) -> None:
         extra = [r for r in reads.get(k, []) if not any(s in r for s in FINITE_SITES)]
         finite = [r for r in reads.get(k, []) if any(s in r for s in FINITE_SITES)]
         assert len(finite) == finite_reads, (k, finite)
+        if finite_reads:  # read later than the step was taken
+            assert k in watch.unread, f"step {k}'s verdict was read as it was taken"
         if k in watch.synced:
             assert len(extra) <= 1 and all(SYNC_SITE in r for r in extra), (k, extra)
         else:

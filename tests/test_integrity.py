@@ -128,7 +128,8 @@ def test_a_damaged_newest_pt_is_skipped_and_the_run_ends_bitwise_equal(
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("how", ["flip", "truncate"])
+# a truncated shard: test_a_dcp_step_is_summed_as_it_is_written_and_checked_as_it_is_read...
+@pytest.mark.parametrize("how", ["flip"])
 def test_a_damaged_shard_of_the_newest_dcp_step_is_skipped_and_the_run_ends_bitwise_equal(
     tmp_path: Path, how: str
 ) -> None:

@@ -220,7 +220,7 @@ EMA_JOB = ["train", "--dataset", "breast_cancer", "--model", "guardplug:killable
 
 @pytest.mark.heavy
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["fsdp"])  # the sharded averages; ddp's: whole tensors
 def test_sigkill_then_resume_with_ema_is_bitwise_exact(tmp_path: Path, strategy: str) -> None:
     job = [*EMA_JOB, "--strategy", strategy]
     reference = tmp_path / "reference"

@@ -89,7 +89,9 @@ def train_and_report(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
 
     def body(trainer: Trainer) -> dict[str, Any]:
         trainer.fit()
-        weights = {k: v.detach().clone() for k, v in trainer.module.state_dict().items()}
+        state = trainer.module.state_dict()  # fsdp: DTensor shards, gathered whole
+        weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                   for k, v in state.items()}
         return {"weights": weights, "bad_steps": trainer.progress.bad_steps}
 
     return _with_trainer(overrides, body)

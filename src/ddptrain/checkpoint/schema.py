@@ -41,9 +41,9 @@ class Progress:
     bad_steps: int = 0  # steps skipped for non-finite gradients, in total
     bad_streak: int = 0  # ... in a row, up to now
 
-    def count_step(self, good: bool, max_bad_steps: int, ckpt_dir: Path) -> None:
-        """Count an optimizer step; too many skipped ones in a row end the run."""
-        self.step += 1
+    def judge(self, good: bool, step: int, max_bad_steps: int, ckpt_dir: Path) -> None:
+        """Count optimizer step `step` (already in `step`) as taken or skipped; too many
+        skipped ones in a row end the run."""
         if good:
             self.bad_streak = 0
             return
@@ -51,12 +51,12 @@ class Progress:
         self.bad_streak += 1
         log.warning(
             "step %d: non-finite gradients on at least one rank; step skipped on all "
-            "(%d in a row)", self.step, self.bad_streak,
+            "(%d in a row)", step, self.bad_streak,
         )
         if self.bad_streak >= max_bad_steps:
             raise Diverged(
                 f"{self.bad_streak} optimizer steps in a row had non-finite gradients (last "
-                f"at step {self.step}); no checkpoint holds a skipped step: resume from "
+                f"at step {step}); no checkpoint holds a skipped step: resume from "
                 f"{ckpt_dir / 'best.pt'} (or an earlier step file) with a lower --lr or "
                 "--max_grad_norm, or check the data for NaN/inf"
             )

@@ -3,7 +3,7 @@
 The trainer never asks which strategy runs. It hands `build_module` a way to build the
 model, calls `setup_module` and `build_optimizer` once (and `compile` under `--compile`),
 runs each micro-batch through `forward_backward` (a plain forward, or a pipeline's
-schedule), uses `clip_grad_norm` / `grads_finite` on the optimizer step, `forward` and
+schedule), uses `clip_grad_norm` / `nonfinite_flags` on the optimizer step, `forward` and
 `share_buffers` to evaluate, and moves state in and out through `full_state` /
 `sharded_state` / `load_state`.
 
@@ -101,7 +101,8 @@ class Strategy:
         settings), or over every trainable parameter of `module`."""
         cls, kwargs = spec
         trainable = [p for p in module.parameters() if p.requires_grad]
-        return cls(one_kind_per_group(groups or [{"params": trainable}]), **kwargs)
+        groups = one_kind_per_group(groups or [{"params": trainable}])
+        return cls(groups, **{**fused_where_it_can(cls, groups, kwargs), **kwargs})
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """An optimizer the user built over the module's parameters, made this strategy's
@@ -144,15 +145,15 @@ class Strategy:
         """Clip the global gradient norm; returns the norm before clipping."""
         return nn.utils.clip_grad_norm_(params, max_norm)
 
-    def grads_finite(self, params: list[nn.Parameter]) -> bool:
-        """Whether every gradient is finite, with the same verdict on every rank.
+    def nonfinite_flags(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """1.0 on the device when any rank holds a non-finite gradient, else 0.0: the
+        same flag on every rank, a tensor of its own (no host read).
 
         GradScaler's fused check (with a scale of 1, which leaves the values as they
         are) costs a few µs where a norm costs tens. Under DDP every rank holds the same
-        all-reduced gradients, so the local verdict is already the global one. The one
-        host read of the step: a strategy that must agree across ranks all-reduces
-        `nonfinite_flag` and reads that, not this verdict first."""
-        return not self.nonfinite_flag(params).item()
+        all-reduced gradients, so the local flag is already the global one; a strategy
+        whose ranks hold different gradients all-reduces it."""
+        return self.nonfinite_flag(params).clone()
 
     def nonfinite_flag(self, params: list[nn.Parameter]) -> torch.Tensor:
         """1.0 on the device when this rank holds a non-finite gradient, else 0.0; no
@@ -227,6 +228,25 @@ def named_optimizer_state(optim: State, module: nn.Module) -> State:
     }
 
 
+def fused_where_it_can(
+    cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """`fused=True` for torch's AdamW, Adam and SGD where their fused step runs (one
+    kernel per group of tensors, and a step skipped on the device given the non-finite
+    flag: `train.stepping`), unless the spec chose an implementation; SGD's fused step has
+    no DTensor rule (sharded parameters), Adam's has."""
+    if "fused" in kwargs or "foreach" in kwargs:
+        return {}
+    params = [p for g in groups for p in g["params"]]
+    if any(p.device.type not in ("cpu", "cuda") or not p.is_floating_point() for p in params):
+        return {}
+    if cls in (torch.optim.Adam, torch.optim.AdamW):
+        return {"fused": True}
+    if cls is torch.optim.SGD and not any(isinstance(p, DTensor) for p in params):
+        return {"fused": True}
+    return {}
+
+
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Materialise a lazily created optimizer state (Adam's moments appear at the first
     step), so a checkpoint has tensors of the right shape to load into, before torch's
@@ -239,7 +259,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if any(p.grad is not None for p in params):
         return
-    if _zero_state(optimizer):
+    if zero_state(optimizer):
         return
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -252,7 +272,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _zero_state(optimizer: torch.optim.Optimizer) -> bool:
+def zero_state(optimizer: torch.optim.Optimizer) -> bool:
     """The state torch's SGD (with momentum), Adam or AdamW creates at its first step,
     as zeros (the step count 0: no step was taken), made without the step; False for
     any other optimizer or setting."""

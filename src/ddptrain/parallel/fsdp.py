@@ -168,12 +168,12 @@ class FSDP(Strategy):
         nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
-    def grads_finite(self, params: list[nn.Parameter]) -> bool:
-        """Each rank checks its shards; the flags are all-reduced on the device and read
-        once (one rank's inf is everyone's)."""
+    def nonfinite_flags(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """Each rank checks its shards; the flags are all-reduced on the device (one
+        rank's inf is everyone's)."""
         flag = self.nonfinite_flag(params).clone()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return not flag.item()
+        return flag
 
     def full_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer

@@ -1,11 +1,11 @@
 """`--ema_decay D`: an exponential moving average of the weights.
 
-After every optimizer step that stepped, each trainable parameter's average moves toward
-it: `ema = D * ema + (1 - D) * weight` (one fused lerp over all of them, on the device, no
-host read). The averages are tensors of the same kind as the weights: whole tensors under
-ddp and zero, this rank's DTensor shards under fsdp, so they cost each rank what its
-parameters do. Buffers (BatchNorm statistics) are not averaged: the EMA model uses the
-live ones.
+After every optimizer step, each trainable parameter's average moves toward it:
+`ema = D * ema + (1 - D) * weight` (one fused lerp over all of them, on the device, no
+host read; a step skipped on the device moves it by 0). The averages are tensors of the
+same kind as the weights: whole tensors under ddp and zero, this rank's DTensor shards
+under fsdp, so they cost each rank what its parameters do. Buffers (BatchNorm
+statistics) are not averaged: the EMA model uses the live ones.
 
 Evaluating or exporting the EMA puts it into the module for a moment (`swapped`), so the
 strategy's own evaluation and gathering serve it unchanged; the weights are put back bit
@@ -43,10 +43,16 @@ class EMA:
         return [local_tensor(p) for p in self.params], [local_tensor(s) for s in self.shadow]
 
     @torch.no_grad()
-    def update(self) -> None:
-        """Move the averages toward the weights (after an optimizer step)."""
+    def update(self, skipped: torch.Tensor | None = None) -> None:
+        """Move the averages toward the weights (after an optimizer step); not at all
+        where the device flag `skipped` is 1.0 (the step was skipped on the device)."""
         params, shadow = self._locals()
-        torch._foreach_lerp_(shadow, params, 1.0 - self.decay)
+        if skipped is None:
+            torch._foreach_lerp_(shadow, params, 1.0 - self.decay)
+            return
+        weight = (1.0 - skipped) * (1.0 - self.decay)
+        cast = {s.dtype: weight.to(s.dtype) for s in shadow}
+        torch._foreach_lerp_(shadow, params, [cast[s.dtype] for s in shadow])
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:

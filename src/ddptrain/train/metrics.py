@@ -30,9 +30,10 @@ class MetricSums:
     """Running sums of one split: the summed loss, its count, the task's metric sums and
     the number of samples.
 
-    Micro-batches add into a pending window that `commit` folds into the totals once the
-    optimizer step is known to be good (a skipped, non-finite step is dropped, so one bad
-    batch does not turn every later figure into NaN). An update is one small in-place add
+    Micro-batches add into a pending window; at the optimizer step it is set aside
+    (`hold`) and folded into the totals once the step is known to be good (`fold`: a
+    skipped, non-finite step is dropped, so one bad batch does not turn every later
+    figure into NaN). An update is one small in-place add
     and no host sync; counts known on the host (samples) stay Python ints.
     """
 
@@ -40,10 +41,12 @@ class MetricSums:
         self.task = task
         self.names = ("loss", "count", *task.metric_names)
         zero = torch.zeros(len(self.names), dtype=torch.float64, device=device)
-        self._sums, self._win = zero.clone(), zero.clone()  # committed, pending
+        # committed, the pending window, a window set aside until its step's verdict
+        self._sums, self._win, self._held = zero.clone(), zero.clone(), zero.clone()
         self._zero = zero[0]
         self._count = self._samples = 0  # host-side counts, committed
         self._win_count = self._win_samples = 0  # ... pending
+        self._held_count = self._held_samples = 0  # ... set aside
 
     def update(self, score: Score) -> None:
         """Add a scored batch: its summed loss, the count it sums over (int or tensor),
@@ -63,14 +66,27 @@ class MetricSums:
         """The pending window's count on this rank, as a float64 tensor (to all-reduce)."""
         return self._win[1:2] + self._win_count
 
-    def commit(self, keep: bool = True) -> None:
-        """Fold the pending window into the totals (or drop it), and start a new one."""
-        if keep:
-            self._sums.add_(self._win)
-            self._count += self._win_count
-            self._samples += self._win_samples
+    def commit(self) -> None:
+        """Fold the pending window into the totals, and start a new one."""
+        self.hold()
+        self.fold(keep=True)
+
+    def hold(self) -> None:
+        """Set the pending window aside (its step's verdict is not known yet: `fold`),
+        and start a new one."""
+        self._win, self._held = self._held, self._win
         self._win.zero_()
+        self._held_count, self._held_samples = self._win_count, self._win_samples
         self._win_count = self._win_samples = 0
+
+    def fold(self, keep: bool) -> None:
+        """Fold the window set aside into the totals, or drop it (a skipped step)."""
+        if keep:
+            self._sums.add_(self._held)
+            self._count += self._held_count
+            self._samples += self._held_samples
+        self._held.zero_()
+        self._held_count = self._held_samples = 0
 
     def snapshot(self) -> torch.Tensor:
         """This rank's committed totals as one float64 tensor, to all-reduce later (with

@@ -1,6 +1,6 @@
 """The training loop: one optimizer step = one gradient reduction, however it is reached.
 
-Path of one optimizer step (`train_epoch` -> `_forward_backward` -> `_optimizer_step`):
+Path of one optimizer step (`train_epoch` -> `_forward_backward` -> `stepping.optimizer_step`):
 micro-batches 1..K-1 of an accumulation window run forward and backward inside the
 strategy's `no_backward_sync` (gradients only accumulate locally); micro-batch K runs
 outside it and the gradients are reduced once; then (optional) unscale + clip, the
@@ -14,7 +14,8 @@ b one batch of K*b, also when an epoch's last global batch is short. When the co
 only known from the data (tokens; iterable datasets), the window's global count is
 all-reduced at the step and the gradients are rescaled by it.
 
-Faults: a non-finite gradient skips the step on every rank; SIGTERM is agreed on at the
+Faults: a non-finite gradient skips the step on every rank (on the device, read by the
+host a step later: `stepping`); SIGTERM is agreed on at the
 next metric all-reduce, a checkpoint is written and the run exits with `Preempted`; a
 restarted torchrun worker resumes from the newest checkpoint.
 """
@@ -58,7 +59,6 @@ from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.startup import Phases
 from ddptrain.observe.trackers import tracker_hooks
 from ddptrain.observe.writer import RunLogError
-from ddptrain.parallel.base import local_tensor
 from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.parallel.mesh import attach_mesh
 from ddptrain.parallel.parts import prepare_module
@@ -76,6 +76,7 @@ from ddptrain.train.optim import build_optimizer, build_scheduler
 from ddptrain.train.plan import Resolved, RunPlan, format_plan, make_plan
 from ddptrain.train.resume import restore, take_best
 from ddptrain.train.steer import SteeredStop, Steering, steering_hooks
+from ddptrain.train.stepping import Verdicts, optimizer_step
 from ddptrain.train.stop import StopRequest
 from ddptrain.train.tasks import Scorer, head_size
 
@@ -135,6 +136,7 @@ class Trainer:
         # the weights (fsdp: shards).
         self.steer = Steering(self.optimizer, self.scheduler)
         self.ema = EMA(self.module, config.ema_decay) if config.ema_decay else None
+        self.verdicts = Verdicts(ctx.device, config.max_bad_steps, config.ckpt_dir)
         self.progress = Progress()
         self._sync_every = min(config.log_interval, FIRST_SYNC_STEPS)
         self.stragglers = Stragglers(config.straggler_factor)
@@ -382,15 +384,17 @@ class Trainer:
             self.last_inputs = self._forward_backward(batch, micro, meter.sums)
             if not micro.ends_window:
                 continue
-            good = self._optimizer_step(meter.sums)
-            meter.sums.commit(keep=good)
-            self.progress.count_step(good, cfg.max_bad_steps, cfg.ckpt_dir)
+            verdict = optimizer_step(self, meter.sums)
+            self.verdicts.settle(self.progress)  # the step before's: done on the device
+            self.progress.step += 1
+            self.verdicts.hold(self.progress.step, verdict, meter.sums)
             self.progress.samples_in_epoch = micro.position
             if self.first_step_s is None:
                 self._first_step_done()
             self.hooks.on_step_end(self)
             step = self.progress.step
             if step % cfg.log_interval == 0:
+                self.verdicts.settle(self.progress)
                 sync.rows.append((meter.sums.snapshot(), self._row_head(epoch, meter)))
             save_now = bool(cfg.save_every_steps) and step % cfg.save_every_steps == 0
             # One process needs no agreement: a stop request is acted on at once.
@@ -422,6 +426,7 @@ class Trainer:
         of those now, with the stop requests and the ranks' step time: writes those train
         rows, sets when the next sync is due; returns (the totals now, whether a signal
         stops the run, the hooks' (stop, finish) flags of all ranks)."""
+        self.verdicts.settle(self.progress)  # the newest step counts in the totals
         step, now = self.progress.step, time.perf_counter()
         steps = step - sync.step
         step_s = (now - sync.t) / steps if steps else 0.0
@@ -542,47 +547,6 @@ class Trainer:
         if saved:  # mid-epoch resume: the epoch's figures continue from the checkpoint
             meter.restore(saved, self.ctx.is_main)
         return meter
-
-    def _optimizer_step(self, sums: MetricSums) -> bool:
-        """Step unless the gradients are not finite; returns whether it stepped."""
-        cfg = self.config
-        self.strategy.finish_gradients()
-        if self.dynamic:
-            self._rescale_to_global_count(sums.window_count())
-        check = cfg.max_bad_steps > 0 and not self.precision.scaler  # fp16: the scaler's job
-        norm = None
-        if cfg.max_grad_norm:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
-            norm = self.strategy.clip_grad_norm(self.params, cfg.max_grad_norm)
-        if not check:
-            good = True
-        elif norm is not None:
-            good = bool(torch.isfinite(norm))
-        else:
-            good = self.strategy.grads_finite(self.params)
-        if good:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            if self.ema is not None:
-                self.ema.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.steer.apply()  # a hook's LR multiplier, on the rates just scheduled
-        return good
-
-    def _rescale_to_global_count(self, count: torch.Tensor) -> None:
-        """Gradients were scaled by a nominal count; make them the mean over the true
-        global count of the window (tokens, or samples of an iterable dataset)."""
-        if self.ctx.distributed:
-            if not self.ctx.counts_data:  # a tensor-parallel peer's batch is counted once
-                count = torch.zeros_like(count)
-            dist.all_reduce(count)
-        # On the device: reading the count would make the host wait for the backward.
-        factor = torch.where(count > 0, self.nominal / count, 0.0)
-        # Each rank's own part: sharded gradients may live on several meshes (--tp).
-        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor.squeeze())
 
     def evaluate(self) -> dict[str, float]:
         """The task's figures over every validation sample exactly once (collective)."""

@@ -1,0 +1,131 @@
+"""The optimizer step, and whether it was taken, without the host waiting for the device.
+
+A step whose gradients are not finite on some rank is skipped on every rank. The check is
+made on the device: a flag (1.0: skip) from the clipped global norm, or from a fused check
+of every gradient (all-reduced where ranks hold different shards). torch's fused
+optimizers (the built-in SGD and AdamW are built fused) take the flag as `found_inf` and
+skip on the device, undoing their step count, and the EMA's move is weighted by it; no
+value comes back to the host for the step to go on.
+
+The host learns the verdict a step later (`Verdicts`): after the next step's forward and
+backward are queued, from a copy taken as the flag was made (pinned memory and an event
+on a GPU, so the read waits for nothing still running). Only then is the step's window of
+metric sums folded into the epoch's totals (a skipped one dropped) and counted in
+`Progress` (`--max_bad_steps` in a row end the run), so the figures are exact. Whatever
+reads those (a log row, a metric sync, a checkpoint, the epoch's end) settles the verdict
+first. An optimizer that cannot take the flag (a user's own, zero's) is stepped or not by
+a host read of it at once, as before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ddptrain.checkpoint.schema import Progress
+from ddptrain.parallel.base import local_tensor, zero_state
+from ddptrain.train.metrics import MetricSums
+
+if TYPE_CHECKING:
+    from ddptrain.train.trainer import Trainer
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` skips its own step given a device flag (torch's fused ones)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def optimizer_step(trainer: Trainer, sums: MetricSums) -> torch.Tensor | bool:
+    """Clip, check and step; the step's verdict: a device flag (1.0: the step was
+    skipped) or, where the optimizer cannot skip on the device, whether it stepped."""
+    cfg, strategy, optimizer = trainer.config, trainer.strategy, trainer.optimizer
+    strategy.finish_gradients()
+    if trainer.dynamic:
+        rescale_to_global_count(trainer, sums.window_count())
+    check = cfg.max_bad_steps > 0 and not trainer.precision.scaler  # fp16: the scaler's job
+    norm = None
+    if cfg.max_grad_norm:
+        trainer.scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
+        norm = strategy.clip_grad_norm(trainer.params, cfg.max_grad_norm)
+    verdict: torch.Tensor | bool = True
+    if check:
+        bad = (
+            (~torch.isfinite(norm)).float() if norm is not None
+            else strategy.nonfinite_flags(trainer.params)
+        ).reshape(())  # 0-d, as the optimizers' step counts it is subtracted from
+        verdict = bad if skips_on_device(optimizer) else not bool(bad.item())
+    if isinstance(verdict, torch.Tensor):
+        if not optimizer.state:  # a fused SGD's first step skipped would leave its
+            zero_state(optimizer)  # momentum unset: the zeros that step starts from
+        optimizer.found_inf = verdict  # type: ignore[attr-defined]
+        try:
+            trainer.scaler.step(optimizer)
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+    elif verdict:
+        trainer.scaler.step(optimizer)
+        trainer.scaler.update()
+    if trainer.ema is not None and verdict is not False:
+        trainer.ema.update(verdict if isinstance(verdict, torch.Tensor) else None)
+    optimizer.zero_grad(set_to_none=True)
+    trainer.scheduler.step()
+    trainer.steer.apply()  # a hook's LR multiplier, on the rates just scheduled
+    return verdict
+
+
+def rescale_to_global_count(trainer: Trainer, count: torch.Tensor) -> None:
+    """Gradients were scaled by a nominal count; make them the mean over the true
+    global count of the window (tokens, or samples of an iterable dataset)."""
+    ctx = trainer.ctx
+    if ctx.distributed:
+        if not ctx.counts_data:  # a tensor-parallel peer's batch is counted once
+            count = torch.zeros_like(count)
+        dist.all_reduce(count)
+    # On the device: reading the count would make the host wait for the backward.
+    factor = torch.where(count > 0, trainer.nominal / count, 0.0)
+    # Each rank's own part: sharded gradients may live on several meshes (--tp).
+    grads = [local_tensor(p.grad) for p in trainer.params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor.squeeze())
+
+
+class Verdicts:
+    """The verdict of the newest optimizer step, held until the host reads it (`settle`):
+    its window of metric sums waits with it."""
+
+    def __init__(self, device: torch.device, max_bad_steps: int, ckpt_dir: Path) -> None:
+        self.max_bad_steps, self.ckpt_dir = max_bad_steps, ckpt_dir
+        on_gpu = device.type == "cuda"
+        # two pinned slots: the next step's copy never overwrites one not yet read
+        self._slots = [torch.zeros((), pin_memory=True) for _ in range(2)] if on_gpu else []
+        self._turn = 0
+        self._held: tuple[int, torch.Tensor | bool, MetricSums, object] | None = None
+
+    def hold(self, step: int, verdict: torch.Tensor | bool, sums: MetricSums) -> None:
+        """Step `step` was taken or skipped as `verdict` says: set its window aside and
+        start a copy of a device flag to the host."""
+        sums.hold()
+        event = None
+        if isinstance(verdict, torch.Tensor) and self._slots:
+            slot = self._slots[self._turn]
+            self._turn ^= 1
+            slot.copy_(verdict, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            verdict = slot
+        self._held = (step, verdict, sums, event)
+
+    def settle(self, progress: Progress) -> None:
+        """Read the held verdict (if any), fold its window or drop it, count the step."""
+        if self._held is None:
+            return
+        step, verdict, sums, event = self._held
+        self._held = None
+        if event is not None:
+            event.synchronize()  # type: ignore[attr-defined]
+        good = verdict if isinstance(verdict, bool) else not bool(verdict)
+        sums.fold(keep=good)
+        progress.judge(good, step, self.max_bad_steps, self.ckpt_dir)

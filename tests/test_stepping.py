@@ -1,0 +1,81 @@
+"""A step skipped on the device is no step at all: the built-in optimizers (fused) given
+the non-finite flag leave the weights, their state and step count, and the EMA exactly as
+they were, also when the very first step is skipped; a later good step is bit for bit
+the step of a twin that never saw the bad one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ddptrain.config import TrainingConfig
+from ddptrain.parallel.base import fused_where_it_can, zero_state
+from ddptrain.train.ema import EMA
+from ddptrain.train.optim import optimizer_spec
+from ddptrain.train.stepping import skips_on_device
+
+
+def _build(optimizer: str) -> tuple[nn.Module, torch.optim.Optimizer, EMA]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    cls, kwargs = optimizer_spec(TrainingConfig(optimizer=optimizer, output_dir="unused"), 0.1)
+    groups = [{"params": list(model.parameters())}]
+    opt = cls(groups, **fused_where_it_can(cls, groups, kwargs), **kwargs)
+    return model, opt, EMA(model, 0.9)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, ema: EMA, seed: int,
+          bad: bool | None) -> None:
+    """One step from batch `seed`; `bad`: given the device flag (True: non-finite)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 6, generator=gen)
+    if bad:
+        x[0, 0] = float("nan")
+    model(x).square().mean().backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    flag = None
+    if bad is not None:
+        flag = torch.tensor(float(bad))
+        if not opt.state:
+            zero_state(opt)
+        opt.found_inf = flag  # type: ignore[attr-defined]
+    opt.step()
+    if bad is not None:
+        del opt.found_inf  # type: ignore[attr-defined]
+    ema.update(flag)
+    opt.zero_grad(set_to_none=True)
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer, ema: EMA) -> list[torch.Tensor]:
+    tensors = [p.detach().clone() for p in model.parameters()]
+    for s in opt.state.values():
+        tensors += [v.clone() for v in s.values() if isinstance(v, torch.Tensor)]
+    return tensors + [s.clone() for s in ema.shadow]
+
+
+def _assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("bad_at", [0, 2])
+def test_a_step_skipped_on_the_device_leaves_everything_as_it_was(
+    optimizer: str, bad_at: int
+) -> None:
+    model, opt, ema = _build(optimizer)
+    twin, twin_opt, twin_ema = _build(optimizer)
+    assert skips_on_device(opt)
+    for seed in range(5):
+        if seed == bad_at:
+            before = _state(model, opt, ema)
+            _step(model, opt, ema, 100, bad=True)
+            after = _state(model, opt, ema)
+            if len(after) != len(before):  # the first step: the state starts as zeros
+                after = [t for t in after if t.abs().sum() != 0]
+            _assert_bitwise(after, before)
+        _step(model, opt, ema, seed, bad=False)
+        _step(twin, twin_opt, twin_ema, seed, bad=None)  # the plain loop: no flag at all
+        _assert_bitwise(_state(model, opt, ema), _state(twin, twin_opt, twin_ema))
