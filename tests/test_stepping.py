@@ -5,6 +5,9 @@ the step of a twin that never saw the bad one."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -79,3 +82,50 @@ def test_a_step_skipped_on_the_device_leaves_everything_as_it_was(
         _step(model, opt, ema, seed, bad=False)
         _step(twin, twin_opt, twin_ema, seed, bad=None)  # the plain loop: no flag at all
         _assert_bitwise(_state(model, opt, ema), _state(twin, twin_opt, twin_ema))
+
+
+def test_a_gpu_verdict_is_read_from_a_pinned_copy_once_its_event_has_passed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On a GPU (a stand-in here) the flag is copied without blocking into one of two
+    pinned slots as the step is taken, an event recorded behind it; `settle` waits on
+    that event alone (not on the device's whole queue), then folds the step's window
+    only if it was good and counts it."""
+    from cuda_standin import fake_pinning
+
+    from ddptrain.checkpoint.schema import Progress
+    from ddptrain.train.metrics import MetricSums
+    from ddptrain.train.stepping import Verdicts
+    from ddptrain.train.tasks import Task
+
+    calls: list[str] = []
+
+    class Event:
+        def record(self) -> None:
+            calls.append("record")
+
+        def synchronize(self) -> None:
+            calls.append("synchronize")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    with fake_pinning() as pinned:
+        verdicts = Verdicts(torch.device("cuda", 0), 2, tmp_path)
+    assert {s.data_ptr() for s in verdicts._slots} == pinned and len(pinned) == 2
+    sums, progress = MetricSums(Task(), torch.device("cpu")), Progress()
+    for step, bad in enumerate([0.0, 1.0, 0.0], start=1):
+        sums.update(_score(float(step)))
+        verdicts.settle(progress)
+        progress.step = step
+        verdicts.hold(step, torch.tensor(bad), sums)
+        assert calls[-1] == "record"
+        assert verdicts._held is not None and verdicts._held[1].data_ptr() in pinned
+    verdicts.settle(progress)
+    assert calls == ["record", "synchronize"] * 3
+    assert progress.bad_steps == 1 and progress.bad_streak == 0
+    assert sums.snapshot()[0].item() == 1.0 + 3.0  # step 2's window dropped
+
+
+def _score(loss: float) -> Any:
+    from ddptrain.train.tasks import Score
+
+    return Score(torch.tensor(loss), 1, {}, 1)

@@ -100,7 +100,7 @@ class Verdicts:
         self.max_bad_steps, self.ckpt_dir = max_bad_steps, ckpt_dir
         on_gpu = device.type == "cuda"
         # two pinned slots: the next step's copy never overwrites one not yet read
-        self._slots = [torch.zeros((), pin_memory=True) for _ in range(2)] if on_gpu else []
+        self._slots = [torch.zeros(()).pin_memory() for _ in range(2)] if on_gpu else []
         self._turn = 0
         self._held: tuple[int, torch.Tensor | bool, MetricSums, object] | None = None
 
