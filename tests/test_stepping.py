@@ -129,3 +129,22 @@ def _score(loss: float) -> Any:
     from ddptrain.train.tasks import Score
 
     return Score(torch.tensor(loss), 1, {}, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_language_model_step_makes_one_collective_beyond_the_gradient_reduction(
+    tmp_path: Path, strategy: str
+) -> None:
+    """The window's token count and (fsdp: each rank checks its own shards) the
+    non-finite flag travel in one all-reduce; ddp's ranks hold the same gradients, so
+    its flag needs none."""
+    from dist_utils import run_ranks
+    from workers import count_step_collectives
+
+    cfg = dict(dataset="chars", block_size=16, width=16, batch_size=16, epochs=1,
+               strategy=strategy, log_interval=2, use_amp=False,
+               output_dir=str(tmp_path / "run"), tensorboard=False)
+    ranks = run_ranks(count_step_collectives, 2, tmp_path, cfg)
+    for r in ranks:
+        assert r["per_step"] == [1] * r["steps"], r

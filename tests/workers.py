@@ -174,3 +174,37 @@ def fit_syncing_every_step(rank: int, overrides: dict[str, Any]) -> dict[str, An
 
     loop.SYNC_EVERY_S = 1e-9
     return train(TrainingConfig(**overrides).validate())
+
+
+def count_step_collectives(rank: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The all-reduces each optimizer step makes (`stepping.optimizer_step`: the
+    window's count and the non-finite flag; not the gradient reduction, which is the
+    strategy's own reduce-scatter or bucket hook), per step, and the skipped steps."""
+    import torch.distributed as dist
+
+    import ddptrain.train.trainer as loop
+
+    def body(trainer: Trainer) -> dict[str, Any]:
+        per_step: list[int] = []
+        real_reduce, real_step = dist.all_reduce, loop.optimizer_step
+
+        def reduce(*args: Any, **kwargs: Any) -> Any:
+            if per_step and per_step[-1] >= 0:
+                per_step[-1] += 1
+            return real_reduce(*args, **kwargs)
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            per_step.append(0)
+            try:
+                return real_step(*args, **kwargs)
+            finally:
+                per_step.append(-1)  # outside a step: not counted
+
+        dist.all_reduce, loop.optimizer_step = reduce, step  # type: ignore[assignment]
+        try:
+            trainer.fit()
+        finally:
+            dist.all_reduce, loop.optimizer_step = real_reduce, real_step  # type: ignore[assignment]
+        return {"per_step": [n for n in per_step if n >= 0], "steps": trainer.progress.step}
+
+    return _with_trainer(overrides, body)

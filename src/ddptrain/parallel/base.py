@@ -145,15 +145,21 @@ class Strategy:
         """Clip the global gradient norm; returns the norm before clipping."""
         return nn.utils.clip_grad_norm_(params, max_norm)
 
+    # Whether ranks hold different gradients (shards), so that their non-finite flags
+    # must be combined; under DDP every rank holds the same all-reduced ones.
+    flags_differ = False
+
     def nonfinite_flags(self, params: list[nn.Parameter]) -> torch.Tensor:
         """1.0 on the device when any rank holds a non-finite gradient, else 0.0: the
-        same flag on every rank, a tensor of its own (no host read).
-
-        GradScaler's fused check (with a scale of 1, which leaves the values as they
-        are) costs a few µs where a norm costs tens. Under DDP every rank holds the same
-        all-reduced gradients, so the local flag is already the global one; a strategy
-        whose ranks hold different gradients all-reduces it."""
-        return self.nonfinite_flag(params).clone()
+        same flag on every rank, a tensor of its own (no host read). GradScaler's fused
+        check (with a scale of 1, which leaves the values as they are) costs a few µs
+        where a norm costs tens; where `flags_differ` the flags are all-reduced (one
+        rank's inf is everyone's). `train.stepping` folds that all-reduce into the one of
+        the window's count where there is one."""
+        flag = self.nonfinite_flag(params).clone()
+        if self.flags_differ and self.ctx.distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag
 
     def nonfinite_flag(self, params: list[nn.Parameter]) -> torch.Tensor:
         """1.0 on the device when this rank holds a non-finite gradient, else 0.0; no

@@ -50,6 +50,8 @@ class FSDP(Strategy):
     model handed over already built (`fit(model=instance)`) cannot be rebuilt on meta: it
     is moved to the device whole and sharded there."""
 
+    flags_differ = True  # each rank checks its own shards of the gradients
+
     name = "fsdp"
     even_forwards = True  # every forward all-gathers: ranks must call it alike
     _full_load = StateDictOptions(full_state_dict=True)  # each rank keeps its shard of it
@@ -167,13 +169,6 @@ class FSDP(Strategy):
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
-
-    def nonfinite_flags(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """Each rank checks its shards; the flags are all-reduced on the device (one
-        rank's inf is everyone's)."""
-        flag = self.nonfinite_flag(params).clone()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag
 
     def full_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer

@@ -43,19 +43,28 @@ def optimizer_step(trainer: Trainer, sums: MetricSums) -> torch.Tensor | bool:
     skipped) or, where the optimizer cannot skip on the device, whether it stepped."""
     cfg, strategy, optimizer = trainer.config, trainer.strategy, trainer.optimizer
     strategy.finish_gradients()
-    if trainer.dynamic:
-        rescale_to_global_count(trainer, sums.window_count())
     check = cfg.max_bad_steps > 0 and not trainer.precision.scaler  # fp16: the scaler's job
+    flag = None
+    if trainer.dynamic:
+        # Where ranks' flags must be combined and no clipped norm gives it, this rank's
+        # flag rides with the window's count: one all-reduce for both. A rescale by a
+        # finite factor leaves finite gradients finite, so the flag may come first.
+        own = (
+            strategy.nonfinite_flag(trainer.params).clone()
+            if check and not cfg.max_grad_norm and strategy.flags_differ else None
+        )
+        flag = rescale_to_global_count(trainer, sums.window_count(), own)
     norm = None
     if cfg.max_grad_norm:
         trainer.scaler.unscale_(optimizer)  # clip the true gradients, not scaled ones
         norm = strategy.clip_grad_norm(trainer.params, cfg.max_grad_norm)
     verdict: torch.Tensor | bool = True
     if check:
-        bad = (
-            (~torch.isfinite(norm)).float() if norm is not None
-            else strategy.nonfinite_flags(trainer.params)
-        ).reshape(())  # 0-d, as the optimizers' step counts it is subtracted from
+        if norm is not None:
+            bad = (~torch.isfinite(norm)).float()
+        else:
+            bad = flag if flag is not None else strategy.nonfinite_flags(trainer.params)
+        bad = bad.reshape(())  # 0-d, as the optimizers' step counts it is subtracted from
         verdict = bad if skips_on_device(optimizer) else not bool(bad.item())
     if isinstance(verdict, torch.Tensor):
         if not optimizer.state:  # a fused SGD's first step skipped would leave its
@@ -76,20 +85,31 @@ def optimizer_step(trainer: Trainer, sums: MetricSums) -> torch.Tensor | bool:
     return verdict
 
 
-def rescale_to_global_count(trainer: Trainer, count: torch.Tensor) -> None:
+def rescale_to_global_count(
+    trainer: Trainer, count: torch.Tensor, own_flag: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """Gradients were scaled by a nominal count; make them the mean over the true
-    global count of the window (tokens, or samples of an iterable dataset)."""
+    global count of the window (tokens, or samples of an iterable dataset). With
+    `own_flag` (this rank's non-finite flag), the flag of every rank comes back, summed
+    in the same all-reduce (above 0: some rank's gradients are not finite)."""
     ctx = trainer.ctx
+    flag = own_flag
     if ctx.distributed:
         if not ctx.counts_data:  # a tensor-parallel peer's batch is counted once
             count = torch.zeros_like(count)
-        dist.all_reduce(count)
+        if own_flag is None:
+            dist.all_reduce(count)
+        else:
+            both = torch.cat([count.reshape(1), own_flag.reshape(1).to(count.dtype)])
+            dist.all_reduce(both)
+            count, flag = both[:1], (both[1] > 0).to(own_flag.dtype)
     # On the device: reading the count would make the host wait for the backward.
     factor = torch.where(count > 0, trainer.nominal / count, 0.0)
     # Each rank's own part: sharded gradients may live on several meshes (--tp).
     grads = [local_tensor(p.grad) for p in trainer.params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, factor.squeeze())
+    return flag
 
 
 class Verdicts:
