@@ -29,6 +29,7 @@ share (`shards_damage`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import pickle
@@ -38,6 +39,7 @@ import time
 import warnings
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any
 
@@ -52,7 +54,7 @@ from torch.distributed.checkpoint import (
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ddptrain.checkpoint.common import (
@@ -156,6 +158,16 @@ class SafeReader(FileSystemReader):
                 for index, info in (metadata.storage_data or {}).items()
                 if item_key(index) in self.items
             }
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's read, each file's entries in the order they lie in it: one sequential
+        pass per file (DCP reads them in plan order, which seeks back and forth)."""
+        def where(item: ReadItem) -> tuple[str, int]:
+            info = self.storage_data[item.storage_index]
+            return info.relative_path, info.offset
+
+        ordered = dataclasses.replace(plan, items=sorted(plan.items, key=where))
+        return super().read_data(ordered, planner)
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
         want = self._want.get((sinfo.relative_path, sinfo.offset))
