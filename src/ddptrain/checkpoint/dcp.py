@@ -39,7 +39,6 @@ import time
 import warnings
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import IO, Any
 
@@ -56,6 +55,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.futures import Future
 
 from ddptrain.checkpoint.common import (
     CheckpointError,
@@ -67,7 +67,7 @@ from ddptrain.checkpoint.common import (
     stamped,
 )
 from ddptrain.checkpoint.integrity import share
-from ddptrain.checkpoint.summing import Damaged, SummingWriter, item_key, verified_range
+from ddptrain.checkpoint.summing import CheckedRange, Damaged, SummingWriter, item_key
 from ddptrain.context import DistributedContext
 from ddptrain.files import atomic_write_text, files_damage, fsync_dir
 
@@ -134,6 +134,7 @@ class SafeReader(FileSystemReader):
         self.files: dict[str, list[int]] = sums.get("files") or {}
         self.items: dict[str, list[int]] = sums.get("items") or {}
         self._want: dict[tuple[str, int], list[int]] = {}
+        self.pending: CheckedRange | None = None  # the entry being read, not yet checked
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self._get_metadata_path(kwargs.get("rank")))
@@ -170,16 +171,47 @@ class SafeReader(FileSystemReader):
         return super().read_data(ordered, planner)
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        self.finish_pending()
+        # torch.load reads an entry's zip record back and forth: ask for all of it at
+        # once, so that those reads find it in the page cache (one read from the disk)
+        with contextlib.suppress(AttributeError, OSError, io.UnsupportedOperation):
+            os.posix_fadvise(file.fileno(), sinfo.offset, sinfo.length, os.POSIX_FADV_WILLNEED)
         want = self._want.get((sinfo.relative_path, sinfo.offset))
         if want is None:
             return super()._slice_file(file, sinfo)
-        return verified_range(file, sinfo.relative_path, sinfo.offset, sinfo.length, want)
+        self.pending = CheckedRange(file, sinfo.relative_path, sinfo.offset, sinfo.length, want)
+        return self.pending  # type: ignore[return-value]
+
+    def finish_pending(self) -> None:
+        """Check the entry just read (`Damaged`); before it is loaded into the model.
+        After a failed read DCP has closed its file: it is opened again for the check."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        if not pending.base.closed:
+            pending.finish()
+            return
+        with open(Path(self.path) / pending.name, "rb") as again:
+            pending.base = again
+            pending.finish()
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, reading the entries saved as bytes weights-only."""
+    """DCP's load planner, reading the entries saved as bytes weights-only; with a
+    `reader`, each entry is checked (`SafeReader.finish_pending`) before it is loaded."""
+
+    def __init__(self, reader: SafeReader | None = None) -> None:
+        super().__init__()
+        self.reader = reader
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        if self.reader is not None:
+            self.reader.finish_pending()
+        return super().resolve_tensor(read_item)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        if self.reader is not None:
+            self.reader.finish_pending()
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             set_element(
@@ -441,14 +473,19 @@ def load_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any] | None 
     entry checked as it is read against the checksums in `meta` (its `meta.pt`), when
     given: a damaged one is `damaged`, the same error on every rank."""
     sums = {"files": meta.get("shards"), "items": meta.get("items")} if meta else None
+    reader = SafeReader(str(path), sums)
     try:
         with _one_process_quietly():
-            dcp.load(
-                state, checkpoint_id=path, storage_reader=SafeReader(str(path), sums),
-                planner=SafeLoadPlanner(),
-            )
+            dcp.load(state, checkpoint_id=path, storage_reader=reader,
+                     planner=SafeLoadPlanner(reader))
     except (Exception, CheckpointException) as exc:  # DCP's own derives from BaseException
         cause = dcp_cause(exc)
+        try:  # damaged bytes may fail to deserialise before their check
+            reader.finish_pending()
+        except Damaged as damage:
+            cause = damage
+        except OSError:
+            pass
         if isinstance(cause, ForeignMetadata):
             raise _refused(path, str(cause)) from None
         if isinstance(cause, Damaged):

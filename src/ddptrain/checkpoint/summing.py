@@ -5,9 +5,10 @@ A save writes through `SummingWriter`, DCP's filesystem writer with its streams 
 each file's [bytes, crc32] (`files`, the same sums `integrity.share` splits among the
 ranks for a whole-directory check) and each stored item's (`items`: one tensor chunk or
 one entry saved as bytes, by `item_key`) are taken from the bytes as they go to disk, so
-nothing is read back. A resume reads each item's byte range once, whole, and checks it
-against `items` before DCP deserialises it (`verified_range`): each byte is read once,
-by the rank that needs it, and a damaged range is `Damaged`, never loaded.
+nothing is read back. A resume checks each item's byte range against `items` as DCP
+reads it to deserialise it (`CheckedRange`), before the entry is loaded into the model:
+each byte is read once, by the rank that needs it, and a damaged range is `Damaged`,
+never loaded.
 """
 
 from __future__ import annotations
@@ -136,14 +137,75 @@ class SummingWriter(FileSystemWriter):
         self.transforms = _SummingTransforms(self.items)
 
 
-def verified_range(file: IO[bytes], name: str, offset: int, length: int,
-                   want: list[int]) -> io.BytesIO:
-    """The `length` bytes at `offset` of `file` (named `name`), read once and checked
-    against `want` ([bytes, crc]); `Damaged` when they do not match."""
-    file.seek(offset)
-    data = file.read(length)
-    if len(data) != want[0]:
-        raise Damaged(f"{name} ends {length - len(data)} bytes short of an entry (truncated)")
-    if zlib.crc32(data) != want[1]:
-        raise Damaged(f"{name}: the entry at byte {offset} does not match its checksum")
-    return io.BytesIO(data)
+class CheckedRange(io.RawIOBase):
+    """The `length` bytes at `offset` of a DCP file (`base`, named `name`), for DCP to
+    deserialise an entry from, checked against `want` ([bytes, crc]) in the same read.
+
+    torch.load reads a zip record at random, small headers back and forth, and a tensor's
+    data in one large read straight into its storage: the CRC is taken in file order from
+    those large reads as they land (the bytes are in cache), the small gaps between them
+    read again (`finish`, which DCP's planner calls before the entry is loaded into the
+    model: `SafeLoadPlanner`). So each byte comes from storage once and is copied once."""
+
+    LARGE = 1 << 16
+
+    def __init__(self, base: Any, name: str, offset: int, length: int, want: list[int]) -> None:
+        super().__init__()
+        self.base, self.name, self.offset, self.length, self.want = base, name, offset, length, want
+        self.pos = 0
+        self.crc, self.summed = 0, 0  # the CRC of the range's bytes [0, summed)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        start = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]
+        self.pos = max(0, min(self.length, start + offset))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = min(len(view), self.length - self.pos)
+        if n <= 0:
+            return 0
+        self.base.seek(self.offset + self.pos)
+        got = self.base.readinto(view[:n]) or 0
+        if got >= self.LARGE and self.pos >= self.summed:
+            self._sum_to(self.pos)
+            if self.summed == self.pos:
+                self.crc = zlib.crc32(view[:got], self.crc)
+                self.summed += got
+        self.pos += got
+        return got
+
+    def read(self, size: int | None = -1) -> bytes:
+        n = self.length - self.pos if size is None or size < 0 else size
+        buffer = bytearray(max(0, min(n, self.length - self.pos)))
+        got = self.readinto(buffer)
+        return bytes(buffer[:got])
+
+    def _sum_to(self, end: int) -> None:
+        """Take the CRC on to `end` by reading the bytes not yet summed again."""
+        self.base.seek(self.offset + self.summed)
+        while self.summed < end:
+            chunk = self.base.read(min(end - self.summed, 1 << 20))
+            if not chunk:
+                return
+            self.crc = zlib.crc32(chunk, self.crc)
+            self.summed += len(chunk)
+
+    def finish(self) -> None:
+        """`Damaged` unless the whole range matches `want`."""
+        self._sum_to(self.length)
+        if self.summed != self.want[0]:
+            raise Damaged(f"{self.name} ends {self.want[0] - self.summed} bytes short of an "
+                          "entry (truncated)")
+        if self.crc != self.want[1]:
+            raise Damaged(f"{self.name}: the entry at byte {self.offset} does not match its "
+                          "checksum")
