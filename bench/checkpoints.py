@@ -169,7 +169,9 @@ class Raw:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         if self.args.format == "file":
-            state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+            # torch.load as plain as it comes: the whole file read (mmap=True would leave
+            # the optimizer's moments unread until the first step after the resume)
+            state = torch.load(self.path, map_location="cpu", weights_only=True)
             self.module.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optim"])
         else:
@@ -268,12 +270,15 @@ def report(results: dict[str, Any]) -> str:
               "each tensor from the page cache the read filled. *before* checked a step "
               "directory with a sequential read of every file, then loaded it: here the load "
               "found those bytes in the page cache (GB read is storage reads), which a state "
-              "of 10-100 GB a node does not fit in. *raw* `.pt` leaves the optimizer state "
-              "mapped from the file, unread until the first step after the resume, so its "
-              "resume reads less than the state. The RSS column counts mapped file pages "
+              "of 10-100 GB a node does not fit in. *raw* `.pt` is `torch.load` as it "
+              "comes, the whole file read into each rank's memory (with `mmap=True` it would "
+              "leave the optimizer's moments unread until the first step after the resume: "
+              "the cost moved, not saved); ddptrain maps the file, so a rank's RSS counts "
+              "the pages it touched. The RSS column counts mapped file pages "
               "too. Times are single runs on 2 shared cores and vary by a third from run to "
-              "run (raw fsdp resume at 20 layers: 7.2 s, 3.6 s, then 6.0 s; the fsdp rows of "
-              "each size are one series, run in turn); bytes are exact.", ""]
+              "run (raw fsdp resume at 20 layers: 7.2 s, 3.6 s, then 6.0 s); the rows of a "
+              "strategy at one size are one series, run in turn (raw, after, before), "
+              "except ddp's *before* rows, from an earlier series; bytes are exact.", ""]
     return "\n".join(lines)
 
 

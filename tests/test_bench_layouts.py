@@ -46,3 +46,41 @@ def test_the_hand_written_comparison_reports_each_layouts_ratio() -> None:
     text = raw_section(results)
     assert "| pp 2 | 200.0 | 200.0 | 1.00 | 210/200, 190/200 |" in text
     assert "| tp 2 | 300.0 | 250.0 | 1.20 |" in text
+
+
+def test_step_costs_file_each_collective_under_who_issued_it() -> None:
+    from bench.step_costs import _collective, section
+
+    def frame(path: str, name: str) -> dict[str, Any]:
+        return {"filename": path, "name": name, "line": 1}
+
+    c10d = frame("/v/site-packages/torch/distributed/distributed_c10d.py", "all_reduce")
+    logger = frame("/v/site-packages/torch/distributed/c10d_logger.py", "wrapper")
+    mode = frame("/repo/bench/host_reads.py", "__torch_dispatch__")
+    ours = frame("/repo/src/ddptrain/train/stepping.py", "rescale_to_global_count")
+    fsdp = frame("/v/site-packages/torch/distributed/fsdp/_fully_shard/x.py", "foreach")
+    assert _collective({"profiling_name": "gloo:all_reduce", "frames": [mode, c10d, logger,
+                        ours]}) == ("ddptrain train/stepping.py:rescale_to_global_count",
+                                    "all_reduce")
+    scatter = {**c10d, "name": "reduce_scatter_single"}
+    assert _collective({"profiling_name": "gloo:all_reduce",
+                        "frames": [scatter, logger, fsdp]}) == ("torch", "reduce_scatter_single")
+    # DDP's reducer calls from C++: no c10d frame, the backward's frames only
+    backward = frame("/v/site-packages/torch/autograd/graph.py", "_engine_run_backward")
+    assert _collective({"profiling_name": "gloo:all_reduce", "frames": [backward, ours]}) == (
+        "torch", "all_reduce")
+
+    run = {"ranks": 2, "flags": ["--strategy", "fsdp"], "rss_mb": 380.0,
+           "collectives": {"torch | all_gather_single": 6, "torch | reduce_scatter_single": 3,
+                           "ddptrain train/stepping.py:rescale_to_global_count | all_reduce": 1},
+           "reads": {"stepping.py:149 settle": 1}}
+    text = section({"machine": {"date_utc": "today", "cpu": "cpu", "cores": 2, "torch": "2"},
+                    "suite_s": 60.0, "plain_rss_mb": 360.0,
+                    "runs": {"ddp": {**run, "flags": ["--strategy", "ddp"],
+                                     "collectives": {"torch | all_reduce": 2}, "reads": {}},
+                             "fsdp": run}})
+    assert ("| fsdp (`--strategy fsdp`) | 2 | 6 all_gather_single, 3 reduce_scatter_single | "
+            "1 at `rescale_to_global_count` (stepping.py) | 1 at `settle` (stepping.py) | 380 |"
+            ) in text
+    assert "| ddp (`--strategy ddp`) | 2 | 2 all_reduce | none | none | 380 |" in text
+    assert "(**+20 MB**, target within 50 MB)" in text

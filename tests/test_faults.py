@@ -253,12 +253,14 @@ def _nan_data(path: Path, bad_rows: list[int]) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("strategy", "optimizer"), [("ddp", "sgd"), ("fsdp", "adamw")])
+@pytest.mark.parametrize(("strategy", "optimizer"), [("ddp", "sgd"), ("fsdp", "adamw"),
+                                                   ("zero", "adamw")])
 def test_nan_on_one_rank_skips_the_step_on_all_ranks(
     tmp_path: Path, strategy: str, optimizer: str
 ) -> None:
     """The step is skipped on the device (fused SGD; fused AdamW over fsdp's DTensor
-    shards) and counted a step later, the same on both ranks."""
+    shards; zero's local fused AdamW over its bucket) and counted a step later, the same
+    on both ranks."""
     train_rows, _ = split_indices(400, 0.2, seed=42)
     bad_rows = [int(train_rows[3]), int(train_rows[150])]
     data = _nan_data(tmp_path / "nan.npz", bad_rows)

@@ -169,6 +169,11 @@ class Strategy:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, self._one)
         return self._found_inf
 
+    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The torch optimizer that steps this rank's parameters, the one that takes the
+        non-finite flag (`train.stepping`): `optimizer` itself, or zero's local one."""
+        return optimizer
+
     # ------------------------------------------------------------------ state
     def layout_state(self) -> State:
         """What the strategy itself needs, beyond weights and optimizer state, to go on

@@ -1,6 +1,8 @@
 """`--strategy zero`: ZeRO stage 1, the optimizer state sharded over the ranks.
 
-Each rank steps the parameters it owns (`ZeroRedundancyOptimizer`) and broadcasts them;
+Each rank steps the parameters it owns (`ZeroRedundancyOptimizer`, its local optimizer
+fused where torch has it, so a non-finite step is skipped on the device) and broadcasts
+them, one flat bucket per rank;
 its state leaves and enters keyed by parameter names, like every strategy's.
 """
 
@@ -15,6 +17,7 @@ from torch import nn
 from ddptrain.parallel.base import (
     OptimizerSpec,
     State,
+    fused_where_it_can,
     hyperparameters,
     init_optimizer_state,
     named_optimizer_state,
@@ -36,9 +39,15 @@ class Zero(DDP):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         cls, kwargs = spec
-        params: list[Any] = [p for p in module.parameters() if p.requires_grad]
-        params = groups or params
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+        groups = groups or [{"params": [p for p in module.parameters() if p.requires_grad]}]
+        # each rank's parameters in one flat bucket: one broadcast per rank, not per tensor
+        return ZeroRedundancyOptimizer(
+            groups, optimizer_class=cls, parameters_as_bucket_view=True,
+            **{**fused_where_it_can(cls, groups, kwargs), **kwargs},
+        )
+
+    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer.optim  # type: ignore[attr-defined]
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The same class over the same groups, each rank stepping its share: the

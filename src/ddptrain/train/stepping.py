@@ -3,9 +3,9 @@
 A step whose gradients are not finite on some rank is skipped on every rank. The check is
 made on the device: a flag (1.0: skip) from the clipped global norm, or from a fused check
 of every gradient (all-reduced where ranks hold different shards). torch's fused
-optimizers (the built-in SGD and AdamW are built fused) take the flag as `found_inf` and
-skip on the device, undoing their step count, and the EMA's move is weighted by it; no
-value comes back to the host for the step to go on.
+optimizers (the built-in SGD and AdamW are built fused, zero's local one too) take the
+flag as `found_inf` and skip on the device, undoing their step count, and the EMA's move
+is weighted by it; no value comes back to the host for the step to go on.
 
 The host learns the verdict a step later (`Verdicts`): after the next step's forward and
 backward are queued, from a copy taken as the flag was made (pinned memory and an event
@@ -13,8 +13,8 @@ on a GPU, so the read waits for nothing still running). Only then is the step's 
 metric sums folded into the epoch's totals (a skipped one dropped) and counted in
 `Progress` (`--max_bad_steps` in a row end the run), so the figures are exact. Whatever
 reads those (a log row, a metric sync, a checkpoint, the epoch's end) settles the verdict
-first. An optimizer that cannot take the flag (a user's own, zero's) is stepped or not by
-a host read of it at once, as before.
+first. An optimizer that cannot take the flag (a user's own, SGD over DTensor shards) is
+stepped or not by a host read of it at once, as before.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def optimizer_step(trainer: Trainer, sums: MetricSums) -> torch.Tensor | bool:
     """Clip, check and step; the step's verdict: a device flag (1.0: the step was
     skipped) or, where the optimizer cannot skip on the device, whether it stepped."""
     cfg, strategy, optimizer = trainer.config, trainer.strategy, trainer.optimizer
+    local = strategy.local_optimizer(optimizer)  # the one that takes the flag
     strategy.finish_gradients()
     check = cfg.max_bad_steps > 0 and not trainer.precision.scaler  # fp16: the scaler's job
     flag = None
@@ -65,15 +66,15 @@ def optimizer_step(trainer: Trainer, sums: MetricSums) -> torch.Tensor | bool:
         else:
             bad = flag if flag is not None else strategy.nonfinite_flags(trainer.params)
         bad = bad.reshape(())  # 0-d, as the optimizers' step counts it is subtracted from
-        verdict = bad if skips_on_device(optimizer) else not bool(bad.item())
+        verdict = bad if skips_on_device(local) else not bool(bad.item())
     if isinstance(verdict, torch.Tensor):
-        if not optimizer.state:  # a fused SGD's first step skipped would leave its
-            zero_state(optimizer)  # momentum unset: the zeros that step starts from
-        optimizer.found_inf = verdict  # type: ignore[attr-defined]
+        if not local.state:  # a fused SGD's first step skipped would leave its
+            zero_state(local)  # momentum unset: the zeros that step starts from
+        local.found_inf = verdict  # type: ignore[attr-defined]
         try:
             trainer.scaler.step(optimizer)
         finally:
-            del optimizer.found_inf  # type: ignore[attr-defined]
+            del local.found_inf  # type: ignore[attr-defined]
     elif verdict:
         trainer.scaler.step(optimizer)
         trainer.scaler.update()
