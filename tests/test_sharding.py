@@ -337,6 +337,9 @@ def test_the_strategy_is_decided_once_with_what_it_implies() -> None:
     ddp = resolve_strategy(TrainingConfig(), 4, "cpu")
     assert ddp.checkpoint_kind == "file"
     assert ddp.rank_bytes(1000, 1) == {"params": 4000, "grads": 4000, "optimizer": 4000}
+    # frozen parameters (--freeze, a LoRA run's model) have no gradients, no state
+    assert ddp.rank_bytes(1000, 1, 100) == {"params": 4000, "grads": 400, "optimizer": 400}
+    assert four.rank_bytes(1000, 2, 100) == {"params": 1000, "grads": 100, "optimizer": 200}
 
 
 def test_an_ignored_strategy_flag_stops_the_run_before_anything_is_written(

@@ -537,7 +537,7 @@ def _after_training(
             factory = functools.partial(_call_model_factory, model, run.config, run.data, run.task)
         module = build_model(run.config, run.data, run.task, ctx.device,
                              model if _is_module(model) else factory)
-        load_weights(module, found.weights, ctx)
+        load_weights(module, found.weights, ctx, run.config)
         result = work(run, ctx, module)
         clean = True
     finally:

@@ -32,6 +32,10 @@ def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+def _kv(help: str) -> Any:
+    return field(default_factory=dict, metadata={"help": help})
+
+
 @dataclass
 class TrainingConfig:
     """Every parameter the pipeline reads. Nothing else is hard-coded."""
@@ -42,9 +46,7 @@ class TrainingConfig:
         "breast_cancer | digits | diabetes | synthetic | chars | path/to/data.npz (arrays x, "
         "y) | path/to/x.npy (y.npy beside it, memory-mapped) | package.module:fn",
     )
-    dataset_args: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "key=value arguments for a module:fn dataset"}
-    )
+    dataset_args: dict[str, Any] = _kv("key=value arguments for a module:fn dataset")
     collate: str | None = _f(
         None,
         "package.module:fn turning a list of samples into a batch (padding variable-length "
@@ -55,17 +57,13 @@ class TrainingConfig:
         "auto (gpt for token windows, miniresnet for images, else mlp) | mlp | miniresnet | "
         "gpt | module:fn | hf:DIR (a Hugging Face save_pretrained directory)",
     )
-    model_args: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "key=value arguments for a module:fn model"}
-    )
+    model_args: dict[str, Any] = _kv("key=value arguments for a module:fn model")
     task: str = _f(
         "auto",
         "auto (integer targets: classification, float: regression, token windows: lm) | "
         "classification | regression | multilabel | lm | module:fn",
     )
-    task_args: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "key=value arguments for a module:fn task"}
-    )
+    task_args: dict[str, Any] = _kv("key=value arguments for a module:fn task")
     num_classes: int | None = _f(None, "number of classes (default: from the dataset)")
     in_channels: int | None = _f(None, "image channels (default: from the dataset)")
     image_size: int | None = _f(None, "image side in pixels (default: from the dataset)")
@@ -84,9 +82,7 @@ class TrainingConfig:
     num_workers: int = _f(
         0, "DataLoader worker processes per rank (0: in-memory batches are sliced in-process)"
     )
-    drop_last: bool = _f(
-        False, "drop each epoch's incomplete last batch instead of training on it"
-    )
+    drop_last: bool = _f(False, "drop each epoch's incomplete last batch instead of training on it")
     # Optimisation
     epochs: int = _f(10, "number of epochs")
     optimizer: str = _f(
@@ -98,13 +94,11 @@ class TrainingConfig:
     momentum: float = _f(0.9, "SGD momentum")
     weight_decay: float = _f(1e-4, "weight decay")
     warmup_epochs: float = _f(0.0, "linear warm-up length in epochs, then cosine decay to 0")
-    scale_lr: bool = _f(
-        False, "linear scaling rule: lr x world_size x grad_accum_steps (global / per-rank batch)"
-    )
+    scale_lr: bool = _f(False, "linear scaling rule: lr x world_size x grad_accum_steps "
+                        "(global / per-rank batch)")
     max_grad_norm: float | None = _f(None, "clip the global gradient norm to this value")
-    max_bad_steps: int = _f(
-        5, "stop after N optimizer steps in a row with non-finite gradients (0: never check)"
-    )
+    max_bad_steps: int = _f(5, "stop after N optimizer steps in a row with non-finite "
+                            "gradients (0: never check)")
     grad_accum_steps: int = _f(1, "micro-steps per optimizer step (all-reduce on the last only)")
     global_batch_size: int | None = _f(
         None,
@@ -192,6 +186,12 @@ class TrainingConfig:
                   "gradients, not in the optimizer, not reduced); a pattern matching "
                   "nothing is an error"},
     )
+    lora_rank: int = _f(0, "train LoRA adapters of this rank on the model's linear layers, "
+                        "the model frozen (peft: `pip install 'ddptrain[lora]'`); 0: off")
+    lora_alpha: float | None = _f(None, "the adapters' scale is alpha / rank (default 2 x rank)")
+    lora_dropout: float = _f(0.0, "dropout on the adapters' input")
+    lora_targets: list[str] = field(default_factory=list, metadata={"help": "GLOB ...: the "
+        "linear layers (module names) the adapters wrap; default: those in the repeated blocks"})
     lr_scale: dict[str, float] = field(
         default_factory=dict,
         metadata={"help": "GLOB=FACTOR ...: the learning rate of the parameters whose names "
@@ -201,18 +201,14 @@ class TrainingConfig:
         False, "weight decay on every parameter (default: none on biases and normalisation "
         "weights)",
     )
-    optimizer_args: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "key=value arguments for a module:fn optimizer"}
-    )
+    optimizer_args: dict[str, Any] = _kv("key=value arguments for a module:fn optimizer")
     scheduler: str = _f(
         "cosine",
         "cosine (linear warm-up, then cosine to 0) | package.module:fn, called fn(config, "
         "optimizer, total_steps=, steps_per_epoch=, warmup_steps=, **scheduler_args), "
         "stepped once per optimizer step",
     )
-    scheduler_args: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "key=value arguments for a module:fn scheduler"}
-    )
+    scheduler_args: dict[str, Any] = _kv("key=value arguments for a module:fn scheduler")
     activation_checkpointing: Literal["off", "block", "selective"] = field(
         default="off", metadata={"bare": "block", "help": (
             "recompute activations in backward, in the repeated blocks (the blocks fsdp "
@@ -466,6 +462,19 @@ class TrainingConfig:
         for pattern in self.freeze:
             if not isinstance(pattern, str) or not pattern:
                 _bad("freeze", pattern, "give glob patterns of parameter names, e.g. 'embed.*'")
+        self._at_least(0, "use a whole number of 0 (off) or more", "lora_rank")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            _bad("lora_alpha", self.lora_alpha, "use a positive value, or leave it unset")
+        if not 0 <= self.lora_dropout < 1:
+            _bad("lora_dropout", self.lora_dropout, "use a probability in [0, 1)")
+        given = [f for f in ("lora_alpha", "lora_targets", "lora_dropout") if getattr(self, f)]
+        if given and not self.lora_rank:
+            _bad(given[0], getattr(self, given[0]), "it shapes the adapters of --lora_rank: "
+                 "give --lora_rank R too")
+        clash = [f for f in ("tp", "pp", "float8") if getattr(self, f) not in (1, "off")]
+        if self.lora_rank and clash:
+            raise ConfigError(f"--lora_rank with --{clash[0]} is unsupported: train the "
+                              "adapters with --strategy ddp or fsdp")
 
     def _check_checkpoint(self) -> None:
         self._at_least(0, "use a value of 0 or more", "save_every", "save_every_steps",
@@ -568,7 +577,8 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
         "channels_last",
     )),
     "finetune": ("where the weights start, and which train", (
-        "init_from", "init_strict", "freeze",
+        "init_from", "init_strict", "freeze", "lora_rank", "lora_alpha", "lora_dropout",
+        "lora_targets",
     )),
     "checkpoint": ("the run directory, checkpoints and what the run leaves", (
         "output_dir", "checkpoint_dir", "save_every", "save_every_steps", "keep_last",

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import stat
 import zlib
 from collections.abc import Callable, Iterator
@@ -54,6 +55,23 @@ def staged(path: Path, overwrite: bool = True) -> Iterator[Path]:
         publish(tmp, path, overwrite)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+    """Yield an empty directory beside `out` to write; on success it replaces `out`
+    (renamed into place: a crash leaves the old directory or the new one)."""
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(partial, out)
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def publish(tmp: Path, path: Path, overwrite: bool = True) -> None:

@@ -5,7 +5,6 @@ Hugging Face model also `hf/`, a `save_pretrained` directory (`export_hf_dir`).
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -16,7 +15,8 @@ from ddptrain.checkpoint.common import CheckpointError
 from ddptrain.checkpoint.integrity import safetensors_damage, safetensors_sums
 from ddptrain.checkpoint.manager import load_checkpoint
 from ddptrain.context import DistributedContext
-from ddptrain.files import check_output, fsync_dir, refuse_special, staged, write_sums
+from ddptrain.files import check_output, refuse_special, staged, staged_dir, write_sums
+from ddptrain.parallel.lora import ADAPTER, LoraSpec, is_adapter
 
 
 def export_safetensors_state(state: dict[str, torch.Tensor], out: Path,
@@ -130,19 +130,26 @@ def export_hf_dir(
     renamed into place: a crash leaves the old directory or the new one. `state` is the
     whole model on the CPU (gathered under fsdp), `module` this rank's (maybe sharded)
     model, whose config and tie rules are used."""
-    partial = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    module.save_pretrained(  # type: ignore[operator]
-        partial, state_dict=state, safe_serialization=True, is_main_process=True
-    )
-    if source is not None:
-        for pattern in TOKENIZER_FILES:
-            for file in source.glob(pattern):
-                if file.is_file() and not (partial / file.name).exists():
-                    shutil.copy2(file, partial / file.name)
-    # its weight shards' checksums, checked before `hf:DIR` or `--init_from DIR` uses them
-    write_sums(partial, [p.name for p in partial.glob("*.safetensors")])
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)
-    fsync_dir(out.parent)
+    with staged_dir(out) as partial:
+        module.save_pretrained(  # type: ignore[operator]
+            partial, state_dict=state, safe_serialization=True, is_main_process=True
+        )
+        if source is not None:
+            for pattern in TOKENIZER_FILES:
+                for file in source.glob(pattern):
+                    if file.is_file() and not (partial / file.name).exists():
+                        shutil.copy2(file, partial / file.name)
+        # its weight shards' checksums, checked before `hf:DIR` or `--init_from DIR` uses them
+        write_sums(partial, [p.name for p in partial.glob("*.safetensors")])
+
+
+def export_adapter(state: dict[str, torch.Tensor], out: Path, lora: LoraSpec) -> None:
+    """peft's adapter directory from a LoRA module's whole `state` (`parallel.lora`): the
+    adapters under peft's names (`base_model.model.NAME.lora_A.weight`) and the config
+    that injects them again, `PeftModel.from_pretrained(base_model, out)`."""
+    weights = {"base_model.model." + k.replace(f".{ADAPTER}.", "."): v
+               for k, v in state.items() if is_adapter(k)}
+    with staged_dir(out) as partial:
+        export_safetensors_state(weights, partial / "adapter_model.safetensors")
+        lora.peft_config().save_pretrained(str(partial))
+        write_sums(partial, ["adapter_model.safetensors"])

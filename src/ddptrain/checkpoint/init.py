@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from ddptrain.checkpoint.export import read_safetensors
 from ddptrain.context import DistributedContext
 from ddptrain.errors import few
 from ddptrain.files import refuse_special, sums_damage
+from ddptrain.parallel.lora import base_name, is_adapter
 
 log = logging.getLogger("ddptrain")
 
@@ -208,13 +210,22 @@ def _complete(names: dict[str, str], ties: dict[str, str], groups: list[list[str
                 names.setdefault(name, names[present])
 
 
+def _unwrapped(names: dict[str, str], own: Iterable[str]) -> None:
+    """A LoRA run's (`--lora_rank`) wrapped layers read the plain layer's names
+    (`q.base_layer.weight` <- `q.weight`); its adapters are not read (they start fresh)."""
+    for name in own:
+        if base_name(name) != name and base_name(name) in names:
+            names.setdefault(name, names[base_name(name)])
+
+
 def check_fit(model: nn.Module, path: Path, strict: bool) -> Fit:
     """How the weights at `path` fit `model` (which may be on the meta device, or
     sharded); strict: refused with one line naming what does not fit."""
     shapes, ties = source_shapes(path)
     reads = {k: k for k in shapes}
     _complete(reads, ties, tied_names(model))
-    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items() if not is_adapter(k)}
+    _unwrapped(reads, own)
     fit = Fit(
         missing=sorted(set(own) - set(reads)),
         unexpected=sorted(set(shapes) - {reads[k] for k in own if k in reads}),
@@ -249,6 +260,7 @@ def load_initial_weights(
         reads = {k: k for k in weights}
         _complete(reads, {}, tied_names(module))
         own = module.state_dict()
+        _unwrapped(reads, own)
         state = {
             k: weights[reads[k]] for k in own
             if k in reads and tuple(weights[reads[k]].shape) == tuple(own[k].shape)

@@ -88,8 +88,8 @@ class Progress:
 #       ends at its planned end
 #   --lr_scale, --decay_all, --optimizer_args: the parameter groups get the new settings
 #       (the state of each parameter continues in whichever group it is in now)
-#   --model / --width (the weights must fit), --optimizer, --scheduler, --freeze, --task:
-#       refused
+#   --model / --width (the weights must fit), --optimizer, --scheduler, --freeze, --task,
+#       --lora_rank, --lora_alpha, --lora_targets: refused
 APPLIED = (
     "lr", "momentum", "weight_decay", "scale_lr", "epochs", "warmup_epochs", "lr_scale",
     "decay_all", "optimizer_args",
@@ -118,7 +118,8 @@ def refuse_incompatible(
             f"state {current['optimizer']} cannot continue: resume with --optimizer "
             f"{saved['optimizer']}, or start a new run (another --output_dir)"
         )
-    for flag in ("scheduler", "freeze"):  # another schedule's state; other parameters'
+    # another schedule's state; other parameters', other adapters'
+    for flag in ("scheduler", "freeze", "lora_rank", "lora_alpha", "lora_targets"):
         if flag in saved and saved[flag] != current[flag]:
             was, now = (" ".join(v) if isinstance(v, list) else v
                         for v in (saved[flag], current[flag]))

@@ -23,14 +23,18 @@ def optimizer_slots(config: TrainingConfig) -> int:
     return 1 if config.momentum else 0
 
 
-def implied_bytes(strategy: str, world_size: int, parameters: int, slots: int) -> dict[str, int]:
-    """fp32 bytes of parameters, gradients and optimizer state one rank holds."""
+def implied_bytes(strategy: str, world_size: int, parameters: int, slots: int,
+                  trained: int | None = None) -> dict[str, int]:
+    """fp32 bytes of parameters, gradients and optimizer state one rank holds; gradients
+    and optimizer state only of the `trained` parameters (default: all of them)."""
+    trained = parameters if trained is None else trained
     full, shard = 4 * parameters, 4 * math.ceil(parameters / world_size)
+    grads, grad_shard = 4 * trained, 4 * math.ceil(trained / world_size)
     if strategy == "fsdp":
-        return {"params": shard, "grads": shard, "optimizer": slots * shard}
+        return {"params": shard, "grads": grad_shard, "optimizer": slots * grad_shard}
     if strategy == "zero":
-        return {"params": full, "grads": full, "optimizer": slots * shard}
-    return {"params": full, "grads": full, "optimizer": slots * full}
+        return {"params": full, "grads": grads, "optimizer": slots * grad_shard}
+    return {"params": full, "grads": grads, "optimizer": slots * grads}
 
 
 def device_memory(device: torch.device | str, local_ranks: int = 1) -> int | None:

@@ -39,6 +39,7 @@ from ddptrain.context import DistributedContext
 from ddptrain.data import DataBundle, ModelCall, make_val_loader
 from ddptrain.errors import ConfigError
 from ddptrain.parallel import Strategy
+from ddptrain.parallel.lora import plain_state
 from ddptrain.train.evaluate import Evaluator
 from ddptrain.train.precision import Precision
 from ddptrain.train.tasks import Scorer, Task, head_size
@@ -195,14 +196,15 @@ def build_model(
     )
 
 
-def load_weights(module: nn.Module, weights: Path, ctx: DistributedContext) -> None:
+def load_weights(module: nn.Module, weights: Path, ctx: DistributedContext,
+                 config: TrainingConfig) -> None:
     """Fill `module` with the weights of `weights` (checksums checked first; collective
     for a DCP step directory, whose files the ranks check a share each), refusing any
-    that do not fit it."""
+    that do not fit it. A LoRA run's checkpoint is merged into the plain model."""
     if weights.suffix == ".safetensors":
         state = read_safetensors_state(weights)
     else:
-        state = checkpoint_model_state(weights, ctx)
+        state = plain_state(checkpoint_model_state(weights, ctx), module, config)
     check_model_state(module, state, weights)
     module.load_state_dict(state)
 

@@ -118,7 +118,7 @@ def make_plan(
         peak_lr=peak_lr(cfg, w), warmup_steps=cfg.warmup_epochs * spe if spe else None,
         checkpoints=", ".join(cadence) + f" {_kind(strategy, parameters, cfg)} into {cfg.ckpt_dir}",
         rank_bytes=None if parameters is None else strategy.rank_bytes(
-            parameters, optimizer_slots(cfg)
+            parameters, optimizer_slots(cfg), None if frozen is None else parameters - frozen
         ),
         device_bytes=strategy.device_bytes, largest=strategy.largest_models(optimizer_slots(cfg)),
         classes=_classes(data, task), frozen=frozen, groups=tuple(groups or ()),
@@ -183,8 +183,10 @@ def format_plan(plan: RunPlan, config: TrainingConfig) -> str:
         f"checkpoints     {plan.checkpoints}",
     ]
     if plan.frozen is not None and plan.parameters is not None:
+        why = (f" (LoRA adapters of rank {config.lora_rank} train, the model is frozen)"
+               if config.lora_rank else " (--freeze)" if plan.frozen else "")
         lines.append(f"trained         {plan.parameters - plan.frozen:,} parameters, "
-                     f"{plan.frozen:,} frozen" + (" (--freeze)" if plan.frozen else ""))
+                     f"{plan.frozen:,} frozen{why}")
     if plan.groups:
         lines.append(f"optimizer       {_optimizer_name(config)}, {len(plan.groups)} "
                      "parameter group(s):")

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain.checkpoint import Checkpointer, Progress, export_safetensors_state
-from ddptrain.checkpoint.export import export_hf_dir
+from ddptrain.checkpoint.export import export_adapter, export_hf_dir
 from ddptrain.checkpoint.init import load_initial_weights
 from ddptrain.checkpoint.rng import gather_rng_states, seed_process
 from ddptrain.context import DistributedContext, gather_to_main
@@ -59,6 +59,7 @@ from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.startup import Phases
 from ddptrain.observe.trackers import tracker_hooks
 from ddptrain.observe.writer import RunLogError
+from ddptrain.parallel.lora import LoraSpec, adapt, merged
 from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.parallel.mesh import attach_mesh
 from ddptrain.parallel.parts import prepare_module
@@ -109,6 +110,7 @@ class Trainer:
         self.task, self.precision = run.task, run.precision
         self.precision.apply()
         self.strategy = self.choice.build(ctx, config, self.precision.dtype)
+        self.lora: LoraSpec | None = None  # --lora_rank: the adapters (set as it is built)
         self.module = self._build_module(module)
         self.call = ModelCall(self.module)
         self.scorer = Scorer(self.task, device)
@@ -188,10 +190,12 @@ class Trainer:
         cfg = self.config
 
         def build(device: torch.device) -> nn.Module:
-            return build_model(
+            built = build_model(
                 cfg, self.data, head_size(self.task, self.data.facts), device,
                 task=self.task.name, model=module,
             )
+            self.lora = adapt(built, cfg)  # --lora_rank: its adapters, the rest frozen
+            return built
 
         if isinstance(module, nn.Module):
             return build(self.ctx.device)
@@ -290,7 +294,7 @@ class Trainer:
     def _export(self) -> None:
         """`model.safetensors` on rank 0 (and `model_ema.safetensors` with an EMA; with
         --export_ema that is the main export, the raw weights `model_raw.safetensors`)."""
-        run_dir = self.config.run_dir
+        run_dir, lora = self.config.run_dir, self.lora
         weights = self.strategy.model_state(self.module)  # collective under fsdp
         files = {"model.safetensors": weights}
         if self.ema is not None:
@@ -301,6 +305,9 @@ class Trainer:
             if self.config.export_ema:
                 files.update({"model.safetensors": averaged, "model_raw.safetensors": weights})
         if self.ctx.is_main:
+            if lora is not None:  # the adapters as peft's directory; the weights merged
+                export_adapter(weights, run_dir / "adapter", lora)
+                files = {name: merged(state, lora) for name, state in files.items()}
             for name, state in files.items():
                 export_safetensors_state(state, run_dir / name)
             if is_hf_model(self.module):  # also as a save_pretrained directory

@@ -1,0 +1,194 @@
+"""`--lora_rank R`: low-rank adapters (LoRA) trained on a frozen model, through peft.
+
+    ddptrain train --model hf:models/llama --dataset mymod:tokens --lora_rank 8 --strategy fsdp
+
+peft's `inject_adapter_in_model` wraps each targeted linear of the bare module in place
+(before a strategy wraps or shards it, like `--freeze`): the layer's own weights become
+`NAME.base_layer.*` and stay frozen, and `NAME.lora_A.default.weight` (R x in) and
+`NAME.lora_B.default.weight` (out x R, zeros at the start) train; the layer computes
+`base(x) + (alpha / R) * B(A(dropout(x)))`. Only the adapters have gradients, are reduced
+and have optimizer state. The targets are the linears inside the model's repeated blocks
+(its attention and MLP projections; embeddings and the output head stay as they are), or
+the modules whose names match `--lora_targets GLOB ...`.
+
+A checkpoint holds the module as it trains (base and adapters), so a resume is the run
+itself. At the end a run writes `adapter/` (peft's adapter directory:
+`adapter_config.json` and `adapter_model.safetensors`, loadable with
+`PeftModel.from_pretrained` over the base model) and, in `model.safetensors` (and `hf/`),
+the weights merged under the base model's own names (`merged`): a plain model, which
+`ddptrain evaluate` and any loader of the base architecture read as it is. A checkpoint
+given to `evaluate` or `export` is merged the same way.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddptrain.errors import ConfigError
+
+ADAPTER = "default"  # peft's name for the one adapter
+BASE = ".base_layer"
+KINDS = ("lora_A", "lora_B")
+
+
+def is_adapter(name: str) -> bool:
+    return any(f".{kind}." in name for kind in KINDS)
+
+
+def base_name(name: str) -> str:
+    """The name a wrapped layer's own tensor has in the plain model."""
+    return name.replace(BASE + ".", ".")
+
+
+def _linear(module: nn.Module) -> bool:
+    """A layer peft's LoRA wraps: a linear, or transformers' Conv1D (GPT-2's)."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def targets(module: nn.Module, patterns: list[str], blocks: list[nn.Module]) -> list[str]:
+    """The names of the layers to adapt: those matching `patterns` (globs of module
+    names), or every linear inside `blocks` (the model's repeated blocks)."""
+    if patterns:
+        named = [(n, m) for n, m in module.named_modules() if n]
+        chosen = []
+        for pattern in patterns:
+            hits = [n for n, m in named if fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                shown = ", ".join(n for n, m in named if _linear(m))[:300]
+                raise ConfigError(f"--lora_targets {pattern!r} matches no module of this "
+                                  f"model: its linears are {shown}")
+            bad = [n for n in hits if not _linear(dict(named)[n])]
+            if bad:
+                raise ConfigError(f"--lora_targets {pattern!r} matches {bad[0]!r}, a "
+                                  f"{type(dict(named)[bad[0]]).__name__}: LoRA adapts "
+                                  "linear layers; narrow the pattern")
+            chosen += [n for n in hits if n not in chosen]
+        return chosen
+    inside = {id(m) for block in blocks for m in block.modules()}
+    found = [n for n, m in module.named_modules() if id(m) in inside and _linear(m)]
+    if not found:
+        raise ConfigError("--lora_rank: this model has no repeated blocks of linear layers "
+                          "to adapt: name the layers with --lora_targets GLOB ...")
+    return found
+
+
+def _peft() -> Any:
+    """peft, imported quietly (torchao and torch's pytree log at import)."""
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("--lora_rank needs peft: pip install 'ddptrain[lora]'") from None
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+    return peft
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The adapters of a run: the layers they wrap (plain names), their rank, alpha and
+    dropout, which layers store their weight (in, out) (transformers' Conv1D), and the
+    base model's directory (`hf:DIR`) when it has one."""
+
+    names: tuple[str, ...]
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    flipped: frozenset[str] = frozenset()
+    base: str | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def peft_config(self) -> Any:
+        config = _peft().LoraConfig(
+            r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+            target_modules=list(self.names), bias="none",
+            fan_in_fan_out=bool(self.flipped & set(self.names)),
+        )
+        config.base_model_name_or_path = self.base
+        return config
+
+
+def lora_spec(module: nn.Module, config: Any, blocks: list[nn.Module]) -> LoraSpec | None:
+    """The adapters `config` asks of `module` (plain, not yet wrapped), or None."""
+    if not config.lora_rank:
+        return None
+    base = config.model[len("hf:"):] if str(config.model).startswith("hf:") else None
+    return LoraSpec(
+        names=tuple(targets(module, config.lora_targets, blocks)), rank=config.lora_rank,
+        alpha=config.lora_alpha or 2.0 * config.lora_rank, dropout=config.lora_dropout,
+        flipped=frozenset(transposed(module)), base=base,
+    )
+
+
+def adapt(module: nn.Module, config: Any) -> LoraSpec | None:
+    """`--lora_rank`: `module` (as built, plain) with its adapters, in place; their spec,
+    or None without the flag. Every rank's module and fsdp's template alike."""
+    from ddptrain.parallel.fsdp import fsdp_blocks
+
+    spec = lora_spec(module, config, fsdp_blocks(module, config.fsdp_wrap))
+    if spec is not None:
+        add_lora(module, spec)
+    return spec
+
+
+def plain_state(state: dict[str, torch.Tensor], module: nn.Module,
+                config: Any) -> dict[str, torch.Tensor]:
+    """A checkpoint's model state for `module` as the run's config built it plain: a LoRA
+    run's adapters merged in (`merged`); any other state as it is."""
+    from ddptrain.parallel.fsdp import fsdp_blocks
+
+    if not config.lora_rank or not any(is_adapter(k) for k in state):
+        return state
+    spec = lora_spec(module, config, fsdp_blocks(module, config.fsdp_wrap))
+    return merged(state, spec) if spec is not None else state
+
+
+def add_lora(module: nn.Module, spec: LoraSpec) -> int:
+    """Wrap the layers of `spec` in LoRA adapters, in place, the rest of `module` frozen;
+    returns the adapters' element count."""
+    import warnings
+
+    with warnings.catch_warnings():  # peft's note that Conv1D takes fan_in_fan_out
+        warnings.simplefilter("ignore")
+        _peft().inject_adapter_in_model(spec.peft_config(), module, adapter_name=ADAPTER)
+    return sum(p.numel() for n, p in module.named_parameters() if is_adapter(n))
+
+
+def transposed(module: nn.Module) -> set[str]:
+    """The layers whose weight is stored (in, out) (transformers' Conv1D), by their
+    plain names."""
+    return {n.removesuffix(BASE) for n, m in module.named_modules()
+            if type(m).__name__ == "Conv1D"}
+
+
+def merged(state: dict[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """`state` (a LoRA module's, whole) as the plain model's: each wrapped layer's weight
+    plus alpha / rank x B @ A (transposed for a Conv1D), under its own name; the
+    adapters themselves dropped. A state without adapters is returned as it is."""
+    if not any(is_adapter(k) for k in state):
+        return state
+    out = {base_name(k): v for k, v in state.items() if not is_adapter(k)}
+    for key in state:
+        if not key.endswith(f".lora_A.{ADAPTER}.weight"):
+            continue
+        layer = key.removesuffix(f".lora_A.{ADAPTER}.weight")
+        a, b = state[key], state[f"{layer}.lora_B.{ADAPTER}.weight"]
+        weight = out[f"{layer}.weight"]
+        delta = (b.float() @ a.float()) * spec.scale
+        if layer in spec.flipped:
+            delta = delta.T
+        out[f"{layer}.weight"] = (weight.float() + delta).to(weight.dtype)
+    return out

@@ -1,0 +1,162 @@
+"""`--lora_rank`: adapters through peft on a frozen model (`parallel.lora`).
+
+Single-process runs (fast tier): the frozen base stays bit for bit, the adapters train,
+the merge equals peft's own, the adapter directory loads with `PeftModel.from_pretrained`
+and gives the run's outputs, a resume goes on bit for bit, and what cannot combine is one
+line. 2 ranks (slow tier): ddp and fsdp train the same adapters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ddptrain import fit
+from ddptrain.checkpoint.export import checkpoint_model_state
+from ddptrain.config import TrainingConfig
+from ddptrain.errors import ConfigError
+from ddptrain.models.gpt import build_gpt
+from ddptrain.parallel.lora import LoraSpec, add_lora, is_adapter, merged, transposed
+from tests.dist_utils import run_ranks
+from tests.workers import train_and_report
+
+GPT = dict(dataset="chars", model="gpt", width=32, block_size=16, batch_size=64, seed=3,
+           optimizer="sgd", lr=0.2, max_grad_norm=1.0, tensorboard=False, curves=False,
+           synthetic_size=256, lora_rank=4, lora_alpha=8.0)
+
+
+def _gpt(vocab: int, block: int = 16, width: int = 32) -> torch.nn.Module:
+    torch.manual_seed(3)
+    return build_gpt(vocab, block, width)
+
+
+def _state(run: Path) -> dict[str, torch.Tensor]:
+    (ckpt,) = sorted((run / "checkpoints").glob("step_*.pt"))[-1:]
+    return checkpoint_model_state(ckpt)
+
+
+def test_the_base_stays_frozen_the_adapters_train_and_the_merge_is_pefts(tmp_path: Path) -> None:
+    import peft
+
+    fit(TrainingConfig(output_dir=str(tmp_path / "run"), epochs=1, **GPT))
+    state = _state(tmp_path / "run")
+    adapters = {k: v for k, v in state.items() if is_adapter(k)}
+    assert adapters and all(".blocks." in f".{k}" for k in adapters)
+    assert any(k.endswith("lora_B.default.weight") and v.abs().sum() > 0
+               for k, v in adapters.items()), "the adapters did not train (B is still 0)"
+    # the base: the seeded model's own weights, bit for bit, under the wrapped names
+    vocab = state["wte.weight"].shape[0]
+    fresh = _gpt(vocab).state_dict()
+    for name, value in state.items():
+        if not is_adapter(name):
+            assert torch.equal(value, fresh[name.replace(".base_layer.", ".")]), name
+    # model.safetensors is the merge, equal to peft's merge_and_unload of the same layers
+    spec = LoraSpec(names=tuple(sorted({k.split(".lora_")[0] for k in adapters})), rank=4,
+                    alpha=8.0)
+    model = _gpt(vocab)
+    add_lora(model, spec)
+    model.load_state_dict(state)
+    for module in model.modules():  # merged by peft, layer by layer
+        if isinstance(module, peft.tuners.lora.LoraLayer):
+            module.merge()
+    reference = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items()
+                 if not is_adapter(k)}
+    ours = merged(state, spec)
+    exported = load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert ours.keys() == reference.keys()
+    for name, value in reference.items():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-6)
+        if name in exported:  # tied weights are stored once
+            assert torch.equal(exported[name], ours[name]), name
+
+
+def test_the_adapter_directory_loads_with_peft_and_gives_the_runs_outputs(
+    tmp_path: Path,
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    base_dir = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=20, n_positions=32, n_embd=32, n_layer=2,
+                               n_head=2)).save_pretrained(base_dir)
+    run = tmp_path / "run"
+    fit(TrainingConfig(
+        output_dir=str(run), dataset="tests.hfplug:counting", model=f"hf:{base_dir}",
+        epochs=2, batch_size=16, optimizer="adamw", lr=0.01, tensorboard=False,
+        curves=False, lora_rank=2,
+    ))
+    ids = torch.arange(12).reshape(2, 6) % 20
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir),
+                                      run / "adapter").eval()
+    exported = AutoModelForCausalLM.from_pretrained(run / "hf").eval()
+    base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    with torch.no_grad():
+        want = exported(ids).logits
+        torch.testing.assert_close(tuned(ids).logits, want, rtol=0, atol=1e-5)
+        assert not torch.allclose(base(ids).logits, want, atol=1e-3)  # it did train
+    # GPT-2's Conv1D stores its weight (in, out): the merge transposes B @ A for it
+    assert transposed(base) >= {"transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc"}
+
+
+def test_a_resumed_lora_run_goes_on_bit_for_bit(tmp_path: Path) -> None:
+    fit(TrainingConfig(output_dir=str(tmp_path / "whole"), epochs=2, **GPT))
+    # the run's own first-epoch checkpoint, resumed in another directory
+    first = sorted((tmp_path / "whole" / "checkpoints").glob("step_*.pt"))[0]
+    fit(TrainingConfig(output_dir=str(tmp_path / "cut"), epochs=2, resume_from=str(first),
+                       **GPT))
+    whole, cut = _state(tmp_path / "whole"), _state(tmp_path / "cut")
+    assert whole.keys() == cut.keys()
+    for name in whole:
+        assert torch.equal(whole[name], cut[name]), name
+
+
+def test_init_from_a_plain_model_fills_the_wrapped_layers(tmp_path: Path) -> None:
+    plain = {k: v for k, v in GPT.items() if not k.startswith("lora_")}
+    fit(TrainingConfig(output_dir=str(tmp_path / "plain"), epochs=1, **plain))
+    source = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    fit(TrainingConfig(output_dir=str(tmp_path / "tuned"), epochs=1,
+                       init_from=str(tmp_path / "plain"), **{**GPT, "lr": 0.0}))
+    state = _state(tmp_path / "tuned")
+    wrapped = [k for k in state if ".base_layer." in k]
+    assert wrapped
+    for name in wrapped:
+        assert torch.equal(state[name], source[name.replace(".base_layer.", ".")]), name
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"lora_rank": 4, "tp": 2}, "--lora_rank with --tp is unsupported"),
+    ({"lora_rank": 4, "pp": 2}, "--lora_rank with --pp is unsupported"),
+    ({"lora_alpha": 16.0}, "--lora_alpha 16.0 is invalid: it shapes the adapters of --lora_rank"),
+    ({"lora_rank": 4, "lora_dropout": 1.0}, "use a probability in [0, 1)"),
+])
+def test_what_does_not_combine_is_one_line(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        TrainingConfig(output_dir="unused", **fields).validate()
+    assert message in str(caught.value)
+
+
+def test_a_target_that_is_not_a_linear_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        fit(TrainingConfig(output_dir=str(tmp_path / "run"), epochs=1,
+                           lora_targets=["blocks.*.ln_1"], **GPT))
+    assert "matches 'blocks.0.ln_1', a LayerNorm: LoRA adapts linear layers" in str(
+        caught.value)
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_train_the_same_adapters(tmp_path: Path) -> None:
+    ends = {}
+    for strategy in ("ddp", "fsdp"):
+        cfg = dict(GPT, output_dir=str(tmp_path / strategy), epochs=1, strategy=strategy,
+                   batch_size=16)
+        ranks = run_ranks(train_and_report, 2, tmp_path, cfg)
+        ends[strategy] = ranks[0]["weights"]
+    ddp, fsdp = ends["ddp"], ends["fsdp"]
+    assert ddp.keys() == fsdp.keys() and any(is_adapter(k) for k in ddp)
+    for name in ddp:
+        torch.testing.assert_close(fsdp[name], ddp[name], rtol=0, atol=1e-5)
