@@ -15,7 +15,9 @@ checkpoint, the bytes it read from storage (`read_bytes`, which counts memory-ma
 reads) and its peak RSS growth. `--tree DIR` runs another checkout's `src` (e.g. the
 code before a change) under the same harness and files its rows under `--label`;
 `--label raw` saves and loads the same state with plain torch instead (`Raw`), the floor
-the other rows are divided by. Each `--layers` is a table of its own.
+the other rows are divided by. Each `--layers` is a table of its own. Single runs vary
+much on shared cores: run the rows in rounds, each into its own `--results` file, and
+`--median_of R1 R2 R3` writes their medians (each round's figures kept beside them).
 
 The report goes into docs/BENCHMARKS.md between `<!-- checkpoints:start -->` and
 `<!-- checkpoints:end -->`; raw figures in runs/bench/checkpoints.json.
@@ -24,6 +26,7 @@ The report goes into docs/BENCHMARKS.md between `<!-- checkpoints:start -->` and
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -112,7 +115,11 @@ def worker(args: argparse.Namespace) -> None:
     if raw is not None:
         raw.load()
     else:
-        found = checkpoints.locate("auto")
+        # as a resume does: a step directory's entries checked as the load reads them
+        # (a tree from before that, `--tree`, checks them first)
+        one_pass = "checked_in_load" in inspect.signature(checkpoints.locate).parameters
+        found = (checkpoints.locate("auto", checked_in_load=True) if one_pass
+                 else checkpoints.locate("auto"))
         assert found is not None
         checkpoints.load(found[0], found[1], module, optimizer)
         del found
@@ -212,6 +219,27 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
 
+def median_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Results of several rounds of the same rows (`--median_of`) as one: every figure the
+    median over the rounds, each row's per-round save and resume times kept (`rounds`)."""
+    import statistics
+
+    out: dict[str, Any] = {**rounds[0], "sizes": {}}
+    for layers, size in rounds[0]["sizes"].items():
+        merged: dict[str, Any] = {"runs": {}, "rounds": len(rounds)}
+        for label, cases in size["runs"].items():
+            for key, ranks in cases.items():
+                each = [r["sizes"][layers]["runs"][label][key] for r in rounds]
+                row = [{field: statistics.median(e[rank][field] for e in each)
+                        for field, value in ranks[rank].items()
+                        if isinstance(value, (int, float))} for rank in range(len(ranks))]
+                row[0]["each"] = {"save_s": [e[0]["save_s"] for e in each],
+                                  "resume_s": [max(x["resume_s"] for x in e) for e in each]}
+                merged["runs"].setdefault(label, {})[key] = row
+        out["sizes"][layers] = merged
+    return out
+
+
 def report(results: dict[str, Any]) -> str:
     lines = [
         "## Checkpoints of large states against plain torch", "",
@@ -230,13 +258,18 @@ def report(results: dict[str, Any]) -> str:
     ]
     for layers, size in sorted(results["sizes"].items(), key=lambda kv: int(kv[0])):
         floats = 3 * int(layers) * (results["width"] ** 2 + results["width"])
+        rounds = size.get("rounds", 1)
         lines += [
             "", f"### {layers} layers: {floats / 1e9:.2f}B floats ({4 * floats / 1e9:.1f} GB "
             "of parameters and AdamW moments)", "",
+            *([f"Medians of {rounds} rounds, the rows run in turn in each round; the last "
+               "column gives each round's save and resume.", ""] if rounds > 1 else []),
             "| code | strategy | format | save s (rank 0 / 1) | x raw | held training s | "
             "GB written (rank 0 / 1) | resume s | x raw | GB read (rank 0 / 1) | "
-            "peak RSS growth GB (rank 0 / 1) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "peak RSS growth GB (rank 0 / 1) |" + (" rounds: save s; resume s |"
+                                                    if rounds > 1 else ""),
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+            + (" --- |" if rounds > 1 else ""),
         ]
         raw = size["runs"].get("raw", {})
         for label, cases in size["runs"].items():
@@ -256,6 +289,9 @@ def report(results: dict[str, Any]) -> str:
                     f"{_gb(r0['written'])} / {_gb(r1['written'])} | {resume:.1f} | {resume_x} | "
                     f"{_gb(r0['read'])} / {_gb(r1['read'])} | "
                     f"{_gb(r0['rss_growth'])} / {_gb(r1['rss_growth'])} |"
+                    + (f" {', '.join(f'{x:.1f}' for x in r0['each']['save_s'])}; "
+                       f"{', '.join(f'{x:.1f}' for x in r0['each']['resume_s'])} |"
+                       if "each" in r0 else "")
                 )
     lines += ["", "Reading the tables: a ddp `.pt` is written by rank 0 alone and read whole "
               "by every rank (each rank needs the whole state); a DCP directory is written "
@@ -275,10 +311,11 @@ def report(results: dict[str, Any]) -> str:
               "leave the optimizer's moments unread until the first step after the resume: "
               "the cost moved, not saved); ddptrain maps the file, so a rank's RSS counts "
               "the pages it touched. The RSS column counts mapped file pages "
-              "too. Times are single runs on 2 shared cores and vary by a third from run to "
-              "run (raw fsdp resume at 20 layers: 7.2 s, 3.6 s, then 6.0 s); the rows of a "
-              "strategy at one size are one series, run in turn (raw, after, before), "
-              "except ddp's *before* rows, from an earlier series; bytes are exact.", ""]
+              "too. Single runs on these 2 shared cores vary by up to a factor of two (raw fsdp "
+              "save at 20 layers: 4.2 to 8.4 s), so each table is the median of 3 rounds, "
+              "the rows in turn within a round (each round's figures in the last column); "
+              "the fsdp *raw* and *after* rows are a later set of rounds, on a quieter "
+              "machine, than the ddp and *before* rows; bytes are exact.", ""]
     return "\n".join(lines)
 
 
@@ -312,7 +349,17 @@ def main() -> int:
     parser.add_argument("--results", type=Path,
                         default=ROOT / "runs" / "bench" / "checkpoints.json")
     parser.add_argument("--report_only", action="store_true")
+    parser.add_argument("--median_of", type=Path, nargs="+",
+                        help="results files of rounds of the same rows: write their medians "
+                        "to --results (and the report)")
     args = parser.parse_args()
+    if args.median_of:  # their sizes replace those of --results
+        fresh = median_of([json.loads(p.read_text()) for p in args.median_of])
+        kept = json.loads(args.results.read_text()) if args.results.exists() else {"sizes": {}}
+        kept["sizes"].update(fresh["sizes"])
+        kept.update(date=fresh["date"], width=fresh["width"])
+        args.results.write_text(json.dumps(kept, indent=1))
+        args.report_only = True
     if args.worker:
         worker(args)
         return 0

@@ -349,3 +349,16 @@ def test_a_dcp_step_is_summed_as_it_is_written_and_checked_as_it_is_read_each_by
     with pytest.raises(DamagedCheckpoint, match=rf"is damaged: {shard.name}.* (does not match "
                        "its checksum|short of an entry)"):
         load()
+
+
+def test_a_files_crc_is_folded_from_its_entries_crcs_as_zlib_would_sum_the_bytes() -> None:
+    """A step directory's file CRC takes each entry's CRC instead of summing its bytes a
+    second time (`summing.crc32_combine`)."""
+    import zlib
+
+    from ddptrain.checkpoint.summing import crc32_combine
+
+    for head, tail in ((b"", b""), (b"PK\x03\x04", os.urandom(1)), (os.urandom(999),
+                                                                   os.urandom(70_001))):
+        assert crc32_combine(zlib.crc32(head), zlib.crc32(tail), len(tail)) == zlib.crc32(
+            head + tail)

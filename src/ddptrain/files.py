@@ -60,7 +60,8 @@ def staged(path: Path, overwrite: bool = True) -> Iterator[Path]:
 @contextlib.contextmanager
 def staged_dir(out: Path) -> Iterator[Path]:
     """Yield an empty directory beside `out` to write; on success it replaces `out`
-    (renamed into place: a crash leaves the old directory or the new one)."""
+    (the old one removed, the new one renamed into place: a crash while it is written
+    leaves the old one whole)."""
     partial = out.with_name(f".{out.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

@@ -5,10 +5,11 @@ A save writes through `SummingWriter`, DCP's filesystem writer with its streams 
 each file's [bytes, crc32] (`files`, the same sums `integrity.share` splits among the
 ranks for a whole-directory check) and each stored item's (`items`: one tensor chunk or
 one entry saved as bytes, by `item_key`) are taken from the bytes as they go to disk, so
-nothing is read back. A resume checks each item's byte range against `items` as DCP
-reads it to deserialise it (`CheckedRange`), before the entry is loaded into the model:
-each byte is read once, by the rank that needs it, and a damaged range is `Damaged`,
-never loaded.
+nothing is read back, and each byte is summed once: a file's CRC folds in the CRC of each
+entry written into it (`crc32_combine`), summing only the bytes between entries. A
+resume checks each item's byte range against `items` as DCP reads it to deserialise it
+(`CheckedRange`), before the entry is loaded into the model: each byte is read once, by
+the rank that needs it, and a damaged range is `Damaged`, never loaded.
 """
 
 from __future__ import annotations
@@ -38,12 +39,48 @@ def item_key(index: MetadataIndex) -> str:
     return f"{index.fqn}@{','.join(str(int(o)) for o in index.offset)}"
 
 
+_POLY = 0xEDB88320  # CRC-32's polynomial, reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a x b modulo CRC-32's polynomial (reflected bit order), as zlib computes it."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of A + B from A's CRC, B's CRC and B's length (zlib's
+    `crc32_combine`, which Python's zlib does not expose): no byte read again."""
+    p, k = 1 << 31, 3  # x^0; a byte is 2^3 bits
+    while len2:
+        if len2 & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        len2 >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
+
+
 class _Summed(io.RawIOBase):
-    """A writable stream that passes every byte on to `raw` and keeps their CRC-32."""
+    """A writable stream that passes every byte on to `raw` and keeps their CRC-32. While
+    an entry's own summed stream writes through it (`inner`), its bytes are counted, not
+    summed again: the entry's CRC is folded in when it closes (`fold`)."""
 
     def __init__(self, raw: Any) -> None:
         super().__init__()
         self.raw, self.size, self.crc = raw, 0, 0
+        self.inner = False
+        self.passed = 0  # bytes an inner stream summed, not yet folded in
 
     def writable(self) -> bool:
         return True
@@ -52,9 +89,21 @@ class _Summed(io.RawIOBase):
         view = memoryview(b).cast("B")
         n = self.raw.write(view)
         n = len(view) if n is None else n
-        self.crc = zlib.crc32(view[:n], self.crc)
+        if self.inner:
+            self.passed += n
+        else:
+            self.crc = zlib.crc32(view[:n], self.crc)
         self.size += n
         return n
+
+    def fold(self, size: int, crc: int) -> None:
+        """An inner stream's `size` bytes went by, with `crc`: the file's CRC goes on
+        from it."""
+        if size != self.passed:
+            raise RuntimeError(f"an entry's stream wrote {size} bytes, its file saw "
+                               f"{self.passed}: the checksums would not hold")
+        self.crc = crc32_combine(self.crc, crc, size)
+        self.inner, self.passed = False, 0
 
     def tell(self) -> int:
         return self.raw.tell()
@@ -118,8 +167,14 @@ class _SummingTransforms(_StorageWriterTransforms):
         summed = _Summed(inner)
         items, key = self.items, item_key(write_item.index)
 
+        outer = raw_stream if isinstance(raw_stream, _Summed) else None
+        if outer is not None:  # the file's CRC takes this entry's, not its bytes again
+            outer.inner = True
+
         def record() -> None:
             items[key] = summed.sums
+            if outer is not None:
+                outer.fold(summed.size, summed.crc)
 
         summed.on_close = record  # type: ignore[method-assign]
         return summed, descriptors  # type: ignore[return-value]

@@ -17,7 +17,8 @@ itself. At the end a run writes `adapter/` (peft's adapter directory:
 `PeftModel.from_pretrained` over the base model) and, in `model.safetensors` (and `hf/`),
 the weights merged under the base model's own names (`merged`): a plain model, which
 `ddptrain evaluate` and any loader of the base architecture read as it is. A checkpoint
-given to `evaluate` or `export` is merged the same way.
+given to `evaluate` is merged the same way (`ddptrain export` of a checkpoint keeps the
+module's names, adapters included).
 """
 
 from __future__ import annotations
@@ -55,19 +56,19 @@ def targets(module: nn.Module, patterns: list[str], blocks: list[nn.Module]) -> 
     """The names of the layers to adapt: those matching `patterns` (globs of module
     names), or every linear inside `blocks` (the model's repeated blocks)."""
     if patterns:
-        named = [(n, m) for n, m in module.named_modules() if n]
-        chosen = []
+        named = {n: m for n, m in module.named_modules() if n}
+        chosen: list[str] = []
         for pattern in patterns:
-            hits = [n for n, m in named if fnmatch.fnmatchcase(n, pattern)]
+            hits = [n for n in named if fnmatch.fnmatchcase(n, pattern)]
             if not hits:
-                shown = ", ".join(n for n, m in named if _linear(m))[:300]
+                shown = ", ".join(n for n, m in named.items() if _linear(m))[:300]
                 raise ConfigError(f"--lora_targets {pattern!r} matches no module of this "
                                   f"model: its linears are {shown}")
-            bad = [n for n in hits if not _linear(dict(named)[n])]
-            if bad:
-                raise ConfigError(f"--lora_targets {pattern!r} matches {bad[0]!r}, a "
-                                  f"{type(dict(named)[bad[0]]).__name__}: LoRA adapts "
-                                  "linear layers; narrow the pattern")
+            bad = next((n for n in hits if not _linear(named[n])), None)
+            if bad is not None:
+                raise ConfigError(f"--lora_targets {pattern!r} matches {bad!r}, a "
+                                  f"{type(named[bad]).__name__}: LoRA adapts linear layers; "
+                                  "narrow the pattern")
             chosen += [n for n in hits if n not in chosen]
         return chosen
     inside = {id(m) for block in blocks for m in block.modules()}
@@ -121,11 +122,14 @@ class LoraSpec:
         return config
 
 
-def lora_spec(module: nn.Module, config: Any, blocks: list[nn.Module]) -> LoraSpec | None:
+def lora_spec(module: nn.Module, config: Any) -> LoraSpec | None:
     """The adapters `config` asks of `module` (plain, not yet wrapped), or None."""
+    from ddptrain.parallel.fsdp import fsdp_blocks
+
     if not config.lora_rank:
         return None
     base = config.model[len("hf:"):] if str(config.model).startswith("hf:") else None
+    blocks = fsdp_blocks(module, config.fsdp_wrap)
     return LoraSpec(
         names=tuple(targets(module, config.lora_targets, blocks)), rank=config.lora_rank,
         alpha=config.lora_alpha or 2.0 * config.lora_rank, dropout=config.lora_dropout,
@@ -136,9 +140,7 @@ def lora_spec(module: nn.Module, config: Any, blocks: list[nn.Module]) -> LoraSp
 def adapt(module: nn.Module, config: Any) -> LoraSpec | None:
     """`--lora_rank`: `module` (as built, plain) with its adapters, in place; their spec,
     or None without the flag. Every rank's module and fsdp's template alike."""
-    from ddptrain.parallel.fsdp import fsdp_blocks
-
-    spec = lora_spec(module, config, fsdp_blocks(module, config.fsdp_wrap))
+    spec = lora_spec(module, config)
     if spec is not None:
         add_lora(module, spec)
     return spec
@@ -148,23 +150,17 @@ def plain_state(state: dict[str, torch.Tensor], module: nn.Module,
                 config: Any) -> dict[str, torch.Tensor]:
     """A checkpoint's model state for `module` as the run's config built it plain: a LoRA
     run's adapters merged in (`merged`); any other state as it is."""
-    from ddptrain.parallel.fsdp import fsdp_blocks
-
-    if not config.lora_rank or not any(is_adapter(k) for k in state):
-        return state
-    spec = lora_spec(module, config, fsdp_blocks(module, config.fsdp_wrap))
+    spec = lora_spec(module, config) if any(is_adapter(k) for k in state) else None
     return merged(state, spec) if spec is not None else state
 
 
-def add_lora(module: nn.Module, spec: LoraSpec) -> int:
-    """Wrap the layers of `spec` in LoRA adapters, in place, the rest of `module` frozen;
-    returns the adapters' element count."""
+def add_lora(module: nn.Module, spec: LoraSpec) -> None:
+    """Wrap the layers of `spec` in LoRA adapters, in place, the rest of `module` frozen."""
     import warnings
 
     with warnings.catch_warnings():  # peft's note that Conv1D takes fan_in_fan_out
         warnings.simplefilter("ignore")
         _peft().inject_adapter_in_model(spec.peft_config(), module, adapter_name=ADAPTER)
-    return sum(p.numel() for n, p in module.named_parameters() if is_adapter(n))
 
 
 def transposed(module: nn.Module) -> set[str]:
