@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,18 @@ def run(layout: Layout, out: Path) -> dict[str, Any]:
     }
 
 
+def run_each(layouts: list[Layout], measure: Callable[[Layout, Path], dict[str, Any]],
+             tmp: Path, only: Collection[str] = ()) -> dict[str, Any]:
+    """Each layout's figures by its name, measured in turn in a directory of its own under
+    `tmp` (`only`: those names alone)."""
+    runs: dict[str, Any] = {}
+    for i, layout in enumerate(layouts):
+        if not only or layout.name in only:
+            runs[layout.name] = measure(layout, tmp / str(i))
+            print(layout.name, json.dumps(runs[layout.name]), flush=True)
+    return runs
+
+
 def _mb(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
@@ -205,9 +218,7 @@ def main() -> int:
         results = {"machine": machine(), "runs": {}}
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="bench-layouts-") as tmp:
-            for i, layout in enumerate(LAYOUTS):
-                results["runs"][layout.name] = run(layout, Path(tmp) / str(i))
-                print(layout.name, results["runs"][layout.name], flush=True)
+            results["runs"] = run_each(LAYOUTS, run, Path(tmp))
         results["suite_s"] = time.perf_counter() - t0
         results["load_1min"] = os.getloadavg()[0]
     return save_and_write(args, results, section, "layouts", START, END)

@@ -50,7 +50,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.contestants.plain_gpt import rss_mb  # noqa: E402
-from bench.layouts import BLOCK, GLOBAL_BATCH, LAYOUTS, WIDTH, Layout  # noqa: E402
+from bench.layouts import (  # noqa: E402
+    BLOCK,
+    GLOBAL_BATCH,
+    LAYOUTS,
+    WIDTH,
+    Layout,
+    run_each,
+)
 from bench.run import bench_env, machine  # noqa: E402
 from bench.sharding import save_and_write, section_parser  # noqa: E402
 
@@ -277,11 +284,7 @@ def main() -> int:
         results = {"machine": machine(), "runs": {}}
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="bench-steps-") as tmp:
-            for i, layout in enumerate(STEP_LAYOUTS):
-                if args.layouts and layout.name not in args.layouts:
-                    continue
-                results["runs"][layout.name] = measure(layout, Path(tmp) / str(i))
-                print(layout.name, json.dumps(results["runs"][layout.name]), flush=True)
+            results["runs"] = run_each(STEP_LAYOUTS, measure, Path(tmp), args.layouts or ())
             plain = _torchrun(2, [], Path(tmp) / "plain", "plain", str(PLAIN))
             results["plain_rss_mb"] = max(r["rss_mb"] for r in plain)
         results["suite_s"] = time.perf_counter() - t0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import os
 import zlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -76,9 +76,10 @@ class _Summed(io.RawIOBase):
     an entry's own summed stream writes through it (`inner`), its bytes are counted, not
     summed again: the entry's CRC is folded in when it closes (`fold`)."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, on_close: Callable[[_Summed], None] | None = None) -> None:
         super().__init__()
         self.raw, self.size, self.crc = raw, 0, 0
+        self.on_close = on_close  # what the owner records once every byte has gone by
         self.inner = False
         self.passed = 0  # bytes an inner stream summed, not yet folded in
 
@@ -117,12 +118,10 @@ class _Summed(io.RawIOBase):
     def close(self) -> None:
         if self.closed:
             return
-        self.on_close()
+        if self.on_close is not None:
+            self.on_close(self)
         super().close()  # flushes
         self.raw.close()
-
-    def on_close(self) -> None:
-        """What the stream's owner records once every byte has gone by."""
 
     @property
     def sums(self) -> list[int]:
@@ -164,20 +163,17 @@ class _SummingTransforms(_StorageWriterTransforms):
         self, write_item: WriteItem, raw_stream: io.IOBase
     ) -> tuple[IO[bytes], list[str]]:
         inner, descriptors = super().transform_save_stream(write_item, raw_stream)
-        summed = _Summed(inner)
         items, key = self.items, item_key(write_item.index)
-
         outer = raw_stream if isinstance(raw_stream, _Summed) else None
         if outer is not None:  # the file's CRC takes this entry's, not its bytes again
             outer.inner = True
 
-        def record() -> None:
+        def record(summed: _Summed) -> None:
             items[key] = summed.sums
             if outer is not None:
                 outer.fold(summed.size, summed.crc)
 
-        summed.on_close = record  # type: ignore[method-assign]
-        return summed, descriptors  # type: ignore[return-value]
+        return _Summed(inner, record), descriptors  # type: ignore[return-value]
 
 
 class SummingWriter(FileSystemWriter):
