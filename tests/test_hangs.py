@@ -10,10 +10,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from multiprocessing import resource_sharer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import BIN, child_env, run_cli
@@ -21,7 +24,7 @@ from dist_utils import free_port
 from procs import popen, reap  # noqa: F401  (reap: an autouse fixture)
 
 from ddptrain.cli import main
-from ddptrain.data.loader import raise_lost_worker, read, worker_failure
+from ddptrain.data.loader import raise_lost_worker, read, seed_worker, worker_failure
 from ddptrain.errors import (
     EXIT_INTERRUPTED,
     EXIT_PEER_LOST,
@@ -169,6 +172,42 @@ def test_a_worker_killed_mid_handover_is_told_as_its_death() -> None:
         "killer or a kill; lower --num_workers or the memory each worker holds (dmesg tells "
         "an OOM kill), then resume with --resume_from auto", EXIT_WORKER_LOST,
     )
+
+
+def _serve_a_batch(address: Any, err: str) -> None:
+    """A DataLoader worker's start (`seed_worker`), then the socket it serves a batch's
+    storage through; a reader connects and goes away mid-handshake."""
+    sys.stderr = open(err, "w", buffering=1)  # noqa: SIM115  (the process ends here)
+    os.dup2(sys.stderr.fileno(), 2)
+    seed_worker(0)
+    resource_sharer.DupFd(os.dup(0))  # starts this process's serving thread
+    address.send(resource_sharer._resource_sharer._address)  # type: ignore[attr-defined]
+    address.recv()  # the reader came and went
+    time.sleep(0.5)
+    os._exit(0)
+
+
+def test_a_worker_whose_reader_is_gone_mid_handover_prints_no_traceback(
+    tmp_path: Path,
+) -> None:
+    """The failing rank's one line is not followed by a worker's traceback: its serving
+    thread meets the dead main process's broken connection (`loader._quiet_lost_reader`)."""
+    ours, theirs = multiprocessing.Pipe()
+    err = tmp_path / "worker.err"
+    worker = multiprocessing.get_context("fork").Process(
+        target=_serve_a_batch, args=(theirs, str(err)))
+    worker.start()
+    try:
+        assert ours.poll(30), "the worker did not start serving"
+        reader = socket.socket(socket.AF_UNIX)
+        reader.connect(ours.recv())
+        reader.close()  # before the handshake's answer
+        ours.send(True)
+        worker.join(timeout=30)
+    finally:
+        worker.kill()
+    assert worker.exitcode == 0
+    assert err.read_text() == ""
 
 
 def test_a_sample_that_raises_without_workers_is_one_line(

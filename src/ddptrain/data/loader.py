@@ -9,8 +9,10 @@ from __future__ import annotations
 import random
 import re
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from multiprocessing import AuthenticationError
 from typing import Any
 
 import numpy as np
@@ -35,9 +37,28 @@ def seed_worker(worker_id: int) -> None:
     # leave SIGINT/SIGTERM to the main process, which decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.excepthook = _quiet_lost_reader(sys.excepthook)
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+
+
+def _quiet_lost_reader(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """A worker hands each batch's storage over through a socket that a thread of its own
+    serves (`multiprocessing.resource_sharer`). When the main process is gone or stops
+    mid-handover (its run failed: a peer worker died, a sample raised), that thread's
+    broken connection is printed as a traceback under the rank's one error line; the main
+    process tells what happened, so those errors alone go unprinted."""
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        serving = tb is not None and tb.tb_frame.f_code.co_filename.endswith(
+            "resource_sharer.py"
+        )
+        if serving and issubclass(kind, (EOFError, OSError, AuthenticationError)):
+            return
+        previous(kind, value, tb)
+
+    return hook
 
 
 class WorkerSafeError(ConfigError):
