@@ -60,7 +60,8 @@ def assert_same_log(run: Path, reference: Path) -> None:
     for g, w in zip(got, want, strict=True):
         for field in ("loss", "accuracy", "mse", "perplexity", "lr", "samples"):
             if field in w:
-                assert g[field] == pytest.approx(w[field], rel=1e-9, abs=1e-12), (g, w)
+                assert g[field] == pytest.approx(w[field], rel=1e-9, abs=1e-12, nan_ok=True), (
+                    g, w)
 
 
 STARTED: list[subprocess.Popen[str]] = []

@@ -138,6 +138,11 @@ def test_bad_yaml_is_refused(tmp_path: Path, yaml_text: str, needle: str) -> Non
         (["--straggler_factor", "0.5"], "--straggler_factor 0.5 is invalid: use a factor above 1"),
         (["--spike_factor", "1"], "--spike_factor 1.0 is invalid: use a factor above 1, or 0"),
         (["--spike_rows", "0"], "--spike_rows 0 is invalid: use a whole number of at least 1"),
+        (["--skip_steps", "9-3"], "--skip_steps '9-3' is invalid: give optimizer steps as STEP"),
+        (["--skip_steps", "0"], "--skip_steps '0' is invalid: give optimizer steps as STEP"),
+        (["--on_spike", "rollback", "--spike_factor", "0"],
+         "--on_spike 'rollback' is invalid: give --spike_factor above 1 too"),
+        (["--max_rollbacks", "-1"], "--max_rollbacks -1 is invalid: use a whole number of 0"),
     ],
 )
 def test_bad_values_name_field_value_and_fix(argv: list[str], needle: str) -> None:

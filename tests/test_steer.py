@@ -18,6 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from ddptrain import fit
 from ddptrain.checkpoint import list_checkpoints, load_checkpoint
+from ddptrain.checkpoint.dcp import list_step_dirs
 from ddptrain.cli import main
 from ddptrain.train.optim import warmup_cosine
 from ddptrain.train.steer import EarlyStopping, Steering
@@ -246,7 +247,7 @@ def test_a_loss_spike_is_a_train_loss_above_k_times_the_running_median_for_m_row
     from ddptrain.train.steer import LossSpikes
 
     trainer = _Trainer()
-    hook = LossSpikes(factor=5, rows=2, stop=True)
+    hook = LossSpikes(factor=5, rows=2, on_spike="stop")
     losses = [1.0, 0.9, 0.8, 0.8, 0.7, 9.0, 0.7, 6.0, 7.0, 0.6]  # steps 1..10
     for step, loss in enumerate(losses, start=1):
         hook.on_row(trainer, {"split": "val", "step": step, "loss": 100.0})  # not train
@@ -256,11 +257,11 @@ def test_a_loss_spike_is_a_train_loss_above_k_times_the_running_median_for_m_row
     assert "loss spike: train loss 7 at step(s) 8, 9 is above 5x the running median 0.8" in (
         trainer.steer.reason or "")
     assert hook.losses == [1.0, 0.9, 0.8, 0.8, 0.7, 0.7, 0.6]  # spikes never raise the bar
-    again = LossSpikes(5, 2, False)
+    again = LossSpikes(5, 2)
     again.load_state_dict(hook.state_dict())
     assert again.state_dict() == hook.state_dict()
     caplog.clear()
-    early = LossSpikes(factor=5, rows=1, stop=False)  # no median before 5 rows
+    early = LossSpikes(factor=5, rows=1)  # no median before 5 rows
     for step, loss in enumerate([1.0, 50.0, 1.0], start=1):
         early.on_row(trainer, {"split": "train", "step": step, "loss": loss})
     assert not early.streak and "loss spike" not in caplog.text
@@ -290,3 +291,84 @@ def test_a_poisoned_batch_is_named_and_on_spike_stop_ends_the_run_there(
     assert main([*args, "--dataset", "guardplug:flipped", "--on_spike", "stop",
                  "--output_dir", str(clean)]) == 0
     assert "stop_reason" not in json.loads((clean / "summary.json").read_text())
+
+
+def test_on_spike_rollback_ends_with_the_weights_of_a_run_that_skips_the_spiked_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`guardplug:poisoned` spikes the loss at steps 17 and 27 (its poisoned samples' other
+    batches come before the detector has a median). `--on_spike rollback` goes back to the
+    checkpoints of steps 16 and 24 and skips those steps: the run ends bit for bit as one
+    started with `--skip_steps 17 27`, its log the same rows. With `--max_rollbacks 1` the
+    second spike ends the run (exit 4); a resume from before the first rollback (as after
+    a kill before the next checkpoint) skips its step again from `rollbacks.json`."""
+    args = ["train", "--model", "mlp", "--width", "16", "--batch_size", "16", "--epochs", "2",
+            "--lr", "0.05", "--log_interval", "1", "--no-tensorboard", "--dataset",
+            "guardplug:poisoned", "--save_every_steps", "4"]
+    skip, back = tmp_path / "skip", tmp_path / "back"
+    assert main([*args, "--skip_steps", "17", "27", "--output_dir", str(skip)]) == 0
+    assert main([*args, "--on_spike", "rollback", "--output_dir", str(back)]) == 0
+    assert_bitwise(weights(back), weights(skip))
+    assert_same_log(back, skip)
+    done = json.loads((back / "summary.json").read_text())
+    assert (done["rollbacks"], done["skipped_steps"], done["steps"]) == (2, 2, 30), done
+    recorded = json.loads((back / "rollbacks.json").read_text())["rollbacks"]
+    assert [(r["first"], r["last"], r["to_step"]) for r in recorded] == [(17, 17, 16),
+                                                                         (27, 27, 24)]
+    assert [p.name for p in list_checkpoints(back / "checkpoints")] == [
+        p.name for p in list_checkpoints(skip / "checkpoints")]
+    capsys.readouterr()
+
+    once = tmp_path / "once"
+    assert main([*args, "--on_spike", "rollback", "--max_rollbacks", "1",
+                 "--output_dir", str(once)]) == 4
+    said = capsys.readouterr()
+    err = said.out + said.err
+    assert "at step(s) 27 is above 5x" in err and "rolled back 1 time(s) already " \
+        "(--max_rollbacks)" in err, err
+    ckpts = once / "checkpoints"
+    assert list_checkpoints(ckpts)[0].name == "step_000000024.pt"  # none after the spike
+    for newer in list_checkpoints(ckpts)[:2]:  # killed before step 20's checkpoint
+        newer.unlink()
+    (ckpts / "latest.pt").unlink()
+    (ckpts / "latest.pt").hardlink_to(ckpts / "step_000000016.pt")
+    assert main([*args, "--on_spike", "rollback", "--max_rollbacks", "2", "--resume_from",
+                 "auto", "--output_dir", str(once)]) == 0
+    said = capsys.readouterr()
+    err = said.out + said.err  # the log's handler keeps the stream of its first run
+    assert "step(s) 17 " not in err and "at step(s) 27 is above" in err, err
+    assert_bitwise(weights(once), weights(skip))
+    recorded = json.loads((once / "rollbacks.json").read_text())["rollbacks"]
+    assert [(r["first"], r["to_step"]) for r in recorded] == [(17, 16), (27, 24)]
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_a_rollback_on_two_fsdp_ranks_killed_before_its_next_checkpoint_resumes_past_it(
+    tmp_path: Path,
+) -> None:
+    """fsdp on 2 ranks, DCP steps every 3: the spike at step 17 rolls every rank back to
+    step 15; rank 1 is SIGKILLed at step 18, before its checkpoint. The resume starts at
+    step 15 again and skips step 17 from `rollbacks.json` (not rolled back a second time),
+    then rolls back the later spikes: the run ends with the weights and the log of one
+    started with `--skip_steps` of the three spiked steps."""
+    base = ["train", "--model", "guardplug:killable_mlp", "--width", "16", "--batch_size", "8",
+            "--epochs", "3", "--lr", "0.05", "--log_interval", "1", "--no-tensorboard",
+            "--dataset", "guardplug:poisoned", "--save_every_steps", "3", "--strategy", "fsdp"]
+    run, reference = tmp_path / "back", tmp_path / "skip"
+
+    def killed_after_the_first_rollback() -> None:
+        recorded = json.loads((run / "rollbacks.json").read_text())["rollbacks"]
+        assert [(r["first"], r["to_step"]) for r in recorded] == [(17, 15)]
+        assert list_step_dirs(run / "checkpoints")[0].name == "step_000000015"
+
+    # rank 1's forwards: steps 1-17, then 16 again and 18 (17 is skipped)
+    sigkill_then_resume(2, [*base, "--on_spike", "rollback"], run, tmp_path, kill_at=19,
+                        between=killed_after_the_first_rollback)
+    firsts = [r["first"] for r in json.loads((run / "rollbacks.json").read_text())["rollbacks"]]
+    assert firsts[0] == 17 and len(firsts) == len(set(firsts)) == 3, firsts
+    done = run_torchrun(2, [*base, "--skip_steps", *map(str, firsts), "--output_dir",
+                            str(reference)], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_bitwise(weights(run), weights(reference))
+    assert_same_log(run, reference)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
+from ddptrain.config_sections import SECTIONS
 from ddptrain.errors import ConfigError
 
 BUILTIN_DATASETS = ("breast_cancer", "digits", "diabetes", "synthetic", "chars")
@@ -25,7 +26,7 @@ BUILTIN_TASKS = ("auto", "classification", "regression", "multilabel", "lm")
 BUILTIN_OPTIMIZERS = ("sgd", "adamw")
 BUILTIN_SCHEDULERS = ("cosine",)
 
-__all__ = ["ConfigError", "TrainingConfig"]
+__all__ = ["SECTIONS", "ConfigError", "TrainingConfig"]
 
 
 def _f(default: Any, help: str) -> Any:
@@ -310,10 +311,17 @@ class TrainingConfig:
         "the rows before it, for --spike_rows rows running (0: off)",
     )
     spike_rows: int = _f(1, "with --spike_factor: the train rows running that make a spike")
-    on_spike: Literal["warn", "stop"] = _f(
+    on_spike: Literal["warn", "stop", "rollback"] = _f(
         "warn", "warn: a warning line; stop: also stop the run at the next agreed step, with "
-        "a checkpoint and the spike as its stop_reason",
+        "a checkpoint and the spike as its stop_reason; rollback: every rank goes back to the "
+        "newest checkpoint before the spike and on from there, the spike's steps skipped "
+        "(as --skip_steps), at most --max_rollbacks times",
     )
+    max_rollbacks: int = _f(3, "with --on_spike rollback: the rollbacks a run may make; a "
+                            "spike after them ends the run (exit 4)")
+    skip_steps: list[str] = field(default_factory=list, metadata={"metavar": "STEPS", "help":
+        "STEP or FIRST-LAST ...: optimizer steps whose batches are read but not trained on "
+        "(no forward, no update; the schedule goes on): to step past data that spiked the loss"})
     ema_decay: float | None = _f(
         None, "keep an exponential moving average of the weights with this decay (e.g. "
         "0.999), validated each epoch (val ema_* figures) and exported as "
@@ -507,6 +515,10 @@ class TrainingConfig:
         if self.spike_factor != 0 and not self.spike_factor > 1:
             _bad("spike_factor", self.spike_factor, "use a factor above 1, or 0 (off)")
         self._at_least(1, "use a whole number of at least 1", "spike_rows")
+        self._at_least(0, "use a whole number of 0 or more", "max_rollbacks")
+        if self.on_spike != "warn" and not self.spike_factor:
+            _bad("on_spike", self.on_spike, "give --spike_factor above 1 too (0 is off)")
+        step_ranges(self.skip_steps)
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             _bad("ema_decay", self.ema_decay, "use a decay between 0 and 1, e.g. 0.999")
 
@@ -540,6 +552,19 @@ def names_code(field: str, value: Any) -> bool:
     return not (field == "model" and value.startswith("hf:")) and _is_import_ref(value)
 
 
+def step_ranges(values: list[Any]) -> list[tuple[int, int]]:
+    """`--skip_steps`' entries (STEP or FIRST-LAST) as (first, last), both counted."""
+    ranges = []
+    for value in values:
+        first, _, last = str(value).partition("-")
+        if not (first.isdigit() and (last or first).isdigit()) or not 1 <= int(first) <= int(
+                last or first):
+            _bad("skip_steps", value, "give optimizer steps as STEP or FIRST-LAST, e.g. "
+                 "120-135 (the first step is 1)")
+        ranges.append((int(first), int(last or first)))
+    return ranges
+
+
 def _bad(name: str, value: Any, fix: str) -> NoReturn:
     raise ConfigError(f"--{name} {value!r} is invalid: {fix}")
 
@@ -547,53 +572,3 @@ def _bad(name: str, value: Any, fix: str) -> NoReturn:
 def _recompute_mode(on: bool) -> Any:
     """--activation_checkpointing as a yes/no (older run directories, `True` in Python)."""
     return "block" if on else "off"
-
-
-# The sections the fields belong to, in `--help`'s order: `ddptrain train --help` shows a
-# group a section, and a `--config` file may nest its fields under their section's name
-# (`optimization: {lr: 0.1}`) or give them flat, as config.yaml does. Every field but the
-# internal ones is in exactly one (tests/test_config.py).
-SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "data": ("what the model reads and how it is batched", (
-        "dataset", "dataset_args", "collate", "block_size", "val_fraction", "synthetic_size",
-        "batch_size", "num_workers", "drop_last",
-    )),
-    "model": ("the model and what it learns", (
-        "model", "model_args", "task", "task_args", "num_classes", "in_channels", "image_size",
-        "width", "sync_bn",
-    )),
-    "optimization": ("the optimizer, its schedule and the step", (
-        "epochs", "optimizer", "optimizer_args", "lr", "momentum", "weight_decay", "lr_scale",
-        "decay_all", "scheduler", "scheduler_args", "warmup_epochs", "scale_lr",
-        "max_grad_norm", "max_bad_steps", "grad_accum_steps", "global_batch_size",
-    )),
-    "parallel": ("how the model is spread over the ranks", (
-        "strategy", "fsdp_wrap", "reshard_after_forward", "fsdp_cpu_offload", "dp_replicate",
-        "tp", "tp_plan", "sequence_parallel", "pp", "pp_schedule", "pp_microbatches",
-        "pp_split", "find_unused_parameters", "static_graph",
-    )),
-    "precision": ("precision, memory and speed", (
-        "use_amp", "amp_dtype", "float8", "tf32", "activation_checkpointing", "compile",
-        "channels_last",
-    )),
-    "finetune": ("where the weights start, and which train", (
-        "init_from", "init_strict", "freeze", "lora_rank", "lora_alpha", "lora_dropout",
-        "lora_targets",
-    )),
-    "checkpoint": ("the run directory, checkpoints and what the run leaves", (
-        "output_dir", "checkpoint_dir", "save_every", "save_every_steps", "keep_last",
-        "resume_from", "checkpoint_format", "async_checkpoint", "checkpoint_timeout_s",
-        "preempt_exit_code", "export", "export_ema",
-    )),
-    "observe": ("logs, curves, trackers and the profiler", (
-        "log_interval", "tensorboard", "curves", "tracker", "enable_profiling",
-        "straggler_factor", "memory_snapshot",
-    )),
-    "steer": ("stopping early and averaging the weights", (
-        "early_stopping", "early_stopping_min_delta", "spike_factor", "spike_rows", "on_spike",
-        "ema_decay",
-    )),
-    "runtime": ("processes, devices and the run itself", (
-        "device", "backend", "timeout_s", "seed", "dry_run", "run_id",
-    )),
-}

@@ -137,8 +137,8 @@ def _add_field(parser: Any, f: dataclasses.Field[Any], tp: Any) -> None:
         return
     if typing.get_origin(base) is list:
         parser.add_argument(
-            f"--{f.name}", nargs="+", action="extend", default=[], metavar="GLOB",
-            help=help_text,
+            f"--{f.name}", nargs="+", action="extend", default=[],
+            metavar=f.metadata.get("metavar", "GLOB"), help=help_text,
         )
         return
     if base is bool:

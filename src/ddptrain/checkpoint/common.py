@@ -91,7 +91,7 @@ def atomic_save(payload: dict[str, Any], path: Path, links: tuple[Path, ...] = (
                 raise
         for name in links:
             with staged(name) as other:
-                _link_or_copy(tmp, other)
+                link_or_copy(tmp, other)
 
 
 class _Sink:
@@ -115,7 +115,7 @@ class _Sink:
 _warned_copies: list[bool] = []
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
+def link_or_copy(source: Path, target: Path) -> None:
     try:
         os.link(source, target)
         return

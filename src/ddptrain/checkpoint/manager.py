@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,10 +26,12 @@ from ddptrain.checkpoint.common import (
     check_model_state,
     damaged,
     forget_reads,
+    link_or_copy,
     read_payload,
     saving_group,
 )
 from ddptrain.checkpoint.dcp import (
+    LATEST_DIR,
     ShardedCheckpointer,
     follow_pointer,
     list_step_dirs,
@@ -39,6 +42,7 @@ from ddptrain.checkpoint.dcp import (
 from ddptrain.checkpoint.pt import LATEST, list_checkpoints, save_checkpoint
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
+from ddptrain.files import atomic_write_text, staged
 
 if TYPE_CHECKING:
     from ddptrain.parallel import Strategy
@@ -97,6 +101,33 @@ def find_resumable(
                 best = (path, payload)
             break  # newest first: the first whole one is the newest of its kind
     return best
+
+
+def newest_before(directory: Path, step: int) -> Path | None:
+    """The newest whole step checkpoint in `directory` (a file or a DCP step directory)
+    taken before optimizer step `step`; None when there is none."""
+    found = [(_step_of(p), p) for p in (*list_checkpoints(directory), *list_step_dirs(directory))]
+    return max((f for f in found if f[0] < step), default=(0, None))[1]
+
+
+def discard_from(directory: Path, step: int, kept: Path) -> None:
+    """Delete the step checkpoints of optimizer step `step` and later (a rolled-back loss
+    spike is in them); `latest` names `kept` again. `best` stays what it was."""
+    for path in (*list_checkpoints(directory), *list_step_dirs(directory, whole=False)):
+        if _step_of(path) >= step:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+    if kept.is_dir():
+        atomic_write_text(directory / LATEST_DIR, kept.name + "\n")
+        return
+    with staged(directory / LATEST) as other:
+        link_or_copy(kept, other)
+
+
+def _step_of(path: Path) -> int:
+    return int(re.findall(r"step_(\d+)", path.name)[0])
 
 
 def skipping(error: CheckpointError) -> None:

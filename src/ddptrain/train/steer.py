@@ -24,7 +24,7 @@ step on; it is kept in every checkpoint. Hooks run on every rank with the same r
 decision taken from them is the same everywhere; set it alike on every rank.
 
 `EarlyStopping` (`--early_stopping N`) and `LossSpikes` (`--spike_factor`, `--on_spike
-stop`) are such hooks.
+stop|rollback`) are such hooks.
 """
 
 from __future__ import annotations
@@ -167,19 +167,31 @@ def _improves(score: float, best: float, mode: str, min_delta: float) -> bool:
     return score > best + min_delta if mode == "max" else score < best - min_delta
 
 
+class SpikeRollback(Exception):
+    """A loss spike under `--on_spike rollback`, raised on every rank at the same row (rows
+    are global figures): the run goes back to before step `first` (`train.rollback`)."""
+
+    def __init__(self, first: int, last: int, what: str) -> None:
+        super().__init__(what)
+        self.first, self.last, self.what = first, last, what
+
+
 class LossSpikes(Hook):
     """`--spike_factor K`: a train row whose loss is above K times the median of the train
     rows before it (the last `HISTORY`, once there are `MIN_HISTORY`) for `--spike_rows`
     rows running is a loss spike: one warning, naming the steps, the loss and the median.
     With `--on_spike stop` every rank then stops at the next agreed step, with a
     checkpoint and the spike as `stop_reason`; the step files before it are the last good
-    ones to resume from. Rows are global figures, so every rank decides alike; the history
-    is in every checkpoint, so a resumed run judges as the uninterrupted one."""
+    ones to resume from. With `--on_spike rollback` every rank raises `SpikeRollback` with
+    the steps of the spiking rows (a row covers the `interval` steps up to its own). Rows
+    are global figures, so every rank decides alike; the history is in every checkpoint,
+    so a resumed run judges as the uninterrupted one."""
 
     HISTORY, MIN_HISTORY = 20, 5
 
-    def __init__(self, factor: float, rows: int, stop: bool) -> None:
-        self.factor, self.rows, self.stop = factor, rows, stop
+    def __init__(self, factor: float, rows: int, on_spike: str = "warn", interval: int = 1
+                 ) -> None:
+        self.factor, self.rows, self.on_spike, self.interval = factor, rows, on_spike, interval
         self.losses: list[float] = []
         self.streak: list[int] = []  # steps of the rows above the bar, running
 
@@ -205,9 +217,14 @@ class LossSpikes(Hook):
             steps = ", ".join(map(str, self.streak))
             what = (f"loss spike: train loss {loss:.4g} at step(s) {steps} is above "
                     f"{self.factor:g}x the running median {median:.4g}")
-            log.warning("%s%s", what, "; stopping (--on_spike stop)" if self.stop else "")
-            if self.stop:
+            log.warning("%s%s", what, {"stop": "; stopping (--on_spike stop)",
+                                       "rollback": "; rolling back (--on_spike rollback)",
+                                       }.get(self.on_spike, ""))
+            if self.on_spike == "stop":
                 trainer.steer.request_stop(what)
+            elif self.on_spike == "rollback":
+                first = max(1, self.streak[0] - self.interval + 1)
+                raise SpikeRollback(first, self.streak[-1], what)
 
 
 def steering_hooks(config: Any) -> list[Hook]:
@@ -216,6 +233,6 @@ def steering_hooks(config: Any) -> list[Hook]:
     if config.early_stopping:
         hooks.append(EarlyStopping(config.early_stopping, config.early_stopping_min_delta))
     if config.spike_factor:
-        hooks.append(LossSpikes(config.spike_factor, config.spike_rows,
-                                config.on_spike == "stop"))
+        hooks.append(LossSpikes(config.spike_factor, config.spike_rows, config.on_spike,
+                                config.log_interval))
     return hooks

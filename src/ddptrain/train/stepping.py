@@ -19,6 +19,7 @@ stepped or not by a host read of it at once, as before.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -84,6 +85,17 @@ def optimizer_step(trainer: Trainer, sums: MetricSums) -> torch.Tensor | bool:
     trainer.scheduler.step()
     trainer.steer.apply()  # a hook's LR multiplier, on the rates just scheduled
     return verdict
+
+
+def skipped_step(trainer: Trainer) -> bool:
+    """A step whose batches were read and not trained on (`--skip_steps`, a rolled-back
+    spike's): no update; the schedule moves on as at any step."""
+    trainer.history["skipped_steps"] = trainer.history.get("skipped_steps", 0) + 1
+    with warnings.catch_warnings():  # a run's first step skipped: no optimizer step yet
+        warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
+        trainer.scheduler.step()
+    trainer.steer.apply()
+    return True
 
 
 def rescale_to_global_count(

@@ -76,8 +76,9 @@ from ddptrain.train.metrics import (
 from ddptrain.train.optim import build_optimizer, build_scheduler
 from ddptrain.train.plan import Resolved, RunPlan, format_plan, make_plan
 from ddptrain.train.resume import restore, take_best
-from ddptrain.train.steer import SteeredStop, Steering, steering_hooks
-from ddptrain.train.stepping import Verdicts, optimizer_step
+from ddptrain.train.rollback import SkippedSteps, roll_back
+from ddptrain.train.steer import SpikeRollback, SteeredStop, Steering, steering_hooks
+from ddptrain.train.stepping import Verdicts, optimizer_step, skipped_step
 from ddptrain.train.stop import StopRequest
 from ddptrain.train.tasks import Scorer, head_size
 
@@ -146,7 +147,7 @@ class Trainer:
         self.resumed_meter: dict[str, Any] | None = None
         self.stop = StopRequest(config.preempt_exit_code)
         self.history: dict[str, Any] = {
-            "train_time_s": 0.0, "samples": 0, "best": None, "best_epoch": 0
+            "train_time_s": 0.0, "samples": 0, "best": None, "best_epoch": 0, "skipped_steps": 0,
         }
         self.writer = MetricsWriter(
             config.run_dir / "metrics.jsonl", enabled=ctx.is_main,
@@ -171,6 +172,7 @@ class Trainer:
             self.val_loader, self.memory_format,
             most_val_batches(self.data.val, config.batch_size, ctx),
         )
+        self.skips = SkippedSteps(config, ctx)  # --skip_steps, and the run's rollbacks
         self.resumed_from = restore(self)
         if config.init_from is not None:
             self._initial_weights(config.init_from)
@@ -263,11 +265,14 @@ class Trainer:
         try:
             with self.stop:
                 self.hooks.on_fit_start(self)
-                for epoch in range(self.progress.epoch + 1, cfg.epochs + 1):
+                while (epoch := self.progress.epoch + 1) <= cfg.epochs:
                     try:
                         val = self._epoch(epoch)
                     except SteeredStop:
                         break
+                    except SpikeRollback as spike:  # every rank, at the same row
+                        roll_back(self, spike)
+                        continue
                     if self.steer.agreed:
                         break
             self.checkpoints.close()
@@ -357,6 +362,7 @@ class Trainer:
             "samples": h["samples"],
             "samples_per_sec": h["samples"] / h["train_time_s"] if h["train_time_s"] else 0.0,
             "bad_steps": self.progress.bad_steps, "first_step_s": self.first_step_s,
+            "skipped_steps": h.get("skipped_steps", 0), "rollbacks": len(self.skips.rollbacks),
             "startup_s": self.startup.seconds,
             **({"stragglers": self.stragglers.named} if self.stragglers.named else {}),
             "strategy": self.strategy.name,
@@ -388,10 +394,12 @@ class Trainer:
         for batch, micro, waited in self.train_batches.epoch(epoch, self.progress.samples_in_epoch):
             meter.wait += waited
             sync.wait += waited
-            self.last_inputs = self._forward_backward(batch, micro, meter.sums)
+            skipped = self.skips.covers(self.progress.step + 1)  # read, not trained on
+            if not skipped:
+                self.last_inputs = self._forward_backward(batch, micro, meter.sums)
             if not micro.ends_window:
                 continue
-            verdict = optimizer_step(self, meter.sums)
+            verdict = skipped_step(self) if skipped else optimizer_step(self, meter.sums)
             self.verdicts.settle(self.progress)  # the step before's: done on the device
             self.progress.step += 1
             self.verdicts.hold(self.progress.step, verdict, meter.sums)
