@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import child_env, run_cli, run_torchrun, write_npz
+from conftest import BIN, child_env, run_cli, run_torchrun, write_npz
 from dist_utils import free_port, run_ranks
 from procs import (  # noqa: F401  (reap: an autouse fixture)
     assert_bitwise,
@@ -207,35 +207,65 @@ def test_surviving_rank_exits_within_the_timeout(tmp_path: Path, how: str) -> No
 
 
 @pytest.mark.heavy
-def test_a_rank_stalled_in_user_code_is_named_by_its_three_peers(tmp_path: Path) -> None:
-    """4 srun-style ranks; rank 2's model sleeps past --timeout_s at its 20th training
-    forward. Ranks 0, 1 and 3 each end within the timeout with one line naming rank 2,
-    the collective they waited in and its number, and the report says the same."""
+@pytest.mark.parametrize(("how", "stuck", "launch"), [
+    ("stalls", 2, "srun"), ("stalls", 2, "torchrun"), ("sigstop", 0, "srun"),
+])
+def test_a_stuck_rank_is_named_by_its_three_peers(
+    tmp_path: Path, how: str, stuck: int, launch: str
+) -> None:
+    """4 ranks, srun-style or under torchrun. Rank 2's model sleeps past --timeout_s at its
+    20th training forward (user code that stalls), or rank 0 is SIGSTOPped once step 10 is
+    checkpointed. The 3 others each end within the timeout with one line naming the stuck
+    rank, the collective they waited in and its number; the lowest of them writes the
+    report, which says the same."""
     run = tmp_path / "run"
     timeout_s = 6
     args = ["train", "--dataset", "breast_cancer", "--model", "guardplug:killable_mlp",
             "--width", "16", "--batch_size", "8", "--epochs", "5", "--timeout_s", str(timeout_s),
-            "--no-tensorboard", "--output_dir", str(run)]
-    port, procs = free_port(), []
-    for rank in range(4):
-        env = child_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4",
-                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                         "GUARD_KILL_AT": "20", "GUARD_KILL_RANK": "2", "GUARD_STALL_S": "120"})
-        procs.append(popen([sys.executable, "-m", "ddptrain", *args], tmp_path, env))
-    try:
-        errs = {r: procs[r].communicate(timeout=180)[1] for r in (0, 1, 3)}
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+            "--save_every_steps", "5", "--no-tensorboard", "--output_dir", str(run)]
+    stall = {"GUARD_KILL_AT": "20", "GUARD_KILL_RANK": str(stuck), "GUARD_STALL_S": "120"}
+    env = stall if how == "stalls" else {}
+    others = [r for r in range(4) if r != stuck]
+    if launch == "torchrun":
+        agent = popen([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=4", "-m",
+                       "ddptrain", *args], tmp_path, child_env(env))
+        try:
+            err = agent.communicate(timeout=240)[1]
+        finally:
+            agent.kill()
+            agent.wait()
+        errs = {r: "\n".join(x for x in err.splitlines()
+                             if x.startswith(f"[rank {r}] ddptrain:" if r else "ddptrain:"))
+                for r in others}
+        codes = dict.fromkeys(others, EXIT_PEER_LOST)
+        assert f"exitcode: {EXIT_PEER_LOST} " in err or f"exitcode  : {EXIT_PEER_LOST} " in err
+    else:
+        port, procs = free_port(), []
+        for rank in range(4):
+            procs.append(popen([sys.executable, "-m", "ddptrain", *args], tmp_path, child_env({
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "4",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **env})))
+        try:
+            if how == "sigstop":
+                wait_for_step(run / "checkpoints", 10, procs[others[0]])
+                os.kill(procs[stuck].pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            errs = {r: procs[r].communicate(timeout=180)[1] for r in others}
+            assert how == "stalls" or time.monotonic() - t0 < timeout_s + 30
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+        codes = {r: procs[r].returncode for r in others}
     report = (run / "hang" / "report.txt").read_text()
+    waiting = ", ".join(map(str, others))
     for rank, err in errs.items():
         lines = err.strip().splitlines()
-        assert procs[rank].returncode == EXIT_PEER_LOST and len(lines) == 1, err[-2000:]
-        assert "rank 2 did not reach collective #" in lines[0], lines
-        assert "which ranks 0, 1, 3 waited in at ddptrain/" in lines[0], lines
+        assert codes[rank] == EXIT_PEER_LOST and len(lines) == 1, (rank, err[-2000:])
+        assert f"rank {stuck} did not reach collective #" in lines[0], lines
+        assert f"which ranks {waiting} waited in at ddptrain/" in lines[0], lines
         assert report.splitlines()[0] in lines[0], (report, lines)
-    assert "2  -  -  -  -  no record" in report, report
+    assert f"{stuck}  -  -  -  -  no record" in report, report
 
 
 def _state(pid: int) -> str:
