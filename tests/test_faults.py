@@ -265,7 +265,17 @@ def test_a_stuck_rank_is_named_by_its_three_peers(
         assert f"rank {stuck} did not reach collective #" in lines[0], lines
         assert f"which ranks {waiting} waited in at ddptrain/" in lines[0], lines
         assert report.splitlines()[0] in lines[0], (report, lines)
-    assert f"{stuck}  -  -  -  -  no record" in report, report
+    if how == "sigstop":  # a stopped process notes nothing
+        assert "it stopped, died or stayed in its own code" in report.splitlines()[0], report
+        assert f"{stuck}  -  -  -  -  no record" in report, report
+        return
+    # the stalled rank noted where it is stuck: the user's line, its step, its stack
+    note = json.loads((run / "hang" / f"stalled{stuck}.json").read_text())
+    where = f"{Path(__file__).resolve().parent / 'guardplug.py'}:"
+    assert note["where"].startswith(where) and note["where"].endswith(" (tick)"), note
+    assert f"rank {stuck} has been in {note['where']} since step 19" in report, report
+    assert f"{stuck}  -  19  -  {note['where']}  in its own code" in report, report
+    assert any("time.sleep(stall)" in line for line in note["stack"]), note
 
 
 def _state(pid: int) -> str:

@@ -444,6 +444,54 @@ def test_a_hang_report_names_the_ranks_that_wrote_no_record(
     assert "2  -  -  -  -  no record" in (folder / "report.txt").read_text()
 
 
+def _stuck_in_user_code(seconds: float) -> None:
+    time.sleep(seconds)  # a user's forward that never returns
+
+
+def test_a_rank_stuck_in_its_own_code_notes_where_and_its_peers_report_it(
+    tmp_path: Path,
+) -> None:
+    """`StallWatch`: once the step count has not moved for half of --timeout_s, the rank
+    notes the innermost line of its own code (not torch's, not Python's) and its stack;
+    the note goes when the steps move on. A peer's report names that line for the rank
+    that wrote no record; one process watches nothing."""
+    from ddptrain.checkpoint.schema import Progress
+    from ddptrain.observe.hang import POSITION, StallWatch, culprit_line
+
+    progress = Progress()
+    progress.step = 19
+    POSITION.update(run_dir=str(tmp_path), progress=progress)
+    note = tmp_path / "hang" / "stalled1.json"
+    try:
+        with StallWatch(tmp_path, rank=1, world_size=2, timeout_s=2):  # notes after 1 s
+            _stuck_in_user_code(1.6)
+            noted = json.loads(note.read_text())
+            progress.step = 20
+            time.sleep(0.6)
+            assert not note.exists()  # the steps moved on
+            progress.step = 21
+            _stuck_in_user_code(1.6)
+        with StallWatch(tmp_path, rank=0, world_size=1, timeout_s=0.4):
+            _stuck_in_user_code(0.6)
+    finally:
+        POSITION.update(run_dir=None, progress=None)
+    assert not (tmp_path / "hang" / "stalled0.json").exists()
+    line_no = _stuck_in_user_code.__code__.co_firstlineno + 1
+    assert noted["where"] == f"{__file__}:{line_no} (_stuck_in_user_code)", noted
+    assert noted["step"] == 19 and "time.sleep(seconds)" in noted["stack"][-1], noted
+    (tmp_path / "hang" / "rank0.json").write_text(json.dumps({
+        "rank": 0, "world_size": 2, "host": "node1", "step": 21, "op": "all_reduce",
+        "group": "0", "seq": 40, "where": "ddptrain/train/metrics.py:135 (reduce_snapshots)",
+        "error": "timeout"}))
+    line = culprit_line(tmp_path, 2, rank=0, wait_s=0)
+    assert line is not None and line.startswith(
+        "rank 1 did not reach all_reduce #40 of the default group (after step 21), which rank 0 "
+        "waited in at ddptrain/train/metrics.py:135 (reduce_snapshots): rank 1 has been in "
+        f"{__file__}:{line_no} (_stuck_in_user_code) since step 21; report: "), line
+    assert f"1  -  21  -  {__file__}:{line_no} (_stuck_in_user_code)  in its own code" in (
+        tmp_path / "hang" / "report.txt").read_text()
+
+
 def test_out_of_memory_is_one_line_with_the_step_the_state_and_the_knobs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:

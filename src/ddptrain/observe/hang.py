@@ -35,6 +35,8 @@ import os
 import pickle
 import socket
 import sys
+import sysconfig
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -52,6 +54,7 @@ RECORDS_WAIT_S = 3.0  # how long a rank that failed waits for its peers' records
 # a step: steps and epochs completed).
 POSITION: dict[str, Any] = {"run_dir": None, "progress": None}
 _TORCH = os.sep + "torch" + os.sep
+_STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 def enable_flight_recorder(environ: Any = None) -> None:
@@ -100,6 +103,62 @@ def write_record(exc: BaseException | None, rank: int, world_size: int,
     return path
 
 
+class StallWatch:
+    """A rank stuck in its own code (a loop, a sleep, a read that never returns) writes no
+    record: it is not in a collective that fails. This daemon thread notes where it is
+    instead: once the rank's step count has not moved for half of --timeout_s (its peers
+    give up after the whole), `hang/stalled<R>.json` holds the step and the innermost line
+    of ddptrain or user code its main thread is in, and its stack; the peers' report
+    names that line for a rank that wrote no record. The note goes when the steps move on
+    (a long validation or save). Nothing is read or written while steps move."""
+
+    def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float) -> None:
+        self.path = record_dir(run_dir) / f"stalled{rank}.json"
+        self.rank, self.limit, self.alone = rank, timeout_s / 2, world_size < 2
+        self._main = threading.main_thread()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ddptrain-stall-watch",
+                                        daemon=True)
+
+    def __enter__(self) -> StallWatch:
+        if not self.alone:  # one process has no peers to wait for it
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        last, since, noted = None, time.monotonic(), False
+        while not self._stop.wait(min(5.0, self.limit / 4)):
+            step = getattr(POSITION.get("progress"), "step", None)
+            if step != last:
+                last, since = step, time.monotonic()
+                if noted:
+                    self.path.unlink(missing_ok=True)
+                    noted = False
+            elif not noted and time.monotonic() - since >= self.limit:
+                noted = self._note(step)
+
+    def _note(self, step: int | None) -> bool:
+        frame = sys._current_frames().get(self._main.ident or -1)
+        stack = traceback.format_stack(frame)[-12:] if frame is not None else []
+        while frame is not None and _not_ours(frame.f_code.co_filename):
+            frame = frame.f_back
+        note = {"rank": self.rank, "time": time.time(), "step": step,
+                "where": _at(frame) if frame is not None else None, "stack": stack}
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.path, json.dumps(note, indent=1, default=str))
+        return True
+
+
+def _not_ours(filename: str) -> bool:
+    """torch's, Python's own library's, or no file's (`<frozen ...>`)."""
+    library = filename.startswith(_STDLIB) and "site-packages" not in filename
+    return _TORCH in filename or library or filename.startswith("<")
+
+
 def culprit_line(run_dir: Path, world_size: int, rank: int,
                  wait_s: float = RECORDS_WAIT_S) -> str | None:
     """After this rank wrote its record: its peers' for up to `wait_s`, then one line
@@ -115,7 +174,7 @@ def culprit_line(run_dir: Path, world_size: int, rank: int,
         records = read_records(folder, since, records)
     if rank not in records:
         return None
-    text, line = report(records, world_size)
+    text, line = report(records, world_size, read_records(folder, since, prefix="stalled"))
     report_file = folder / "report.txt"
     if rank == min(records):
         with contextlib.suppress(OSError):
@@ -124,13 +183,16 @@ def culprit_line(run_dir: Path, world_size: int, rank: int,
 
 
 def read_records(folder: Path, since: float = 0.0,
-                 known: dict[int, dict[str, Any]] | None = None) -> dict[int, dict[str, Any]]:
-    """The ranks' records in `folder`, by rank; those written before `since` left out.
-    The ranks in `known` are not read again: a rank polling for its peers' records reads
-    each file once, not once a poll (hundreds of ranks on a shared filesystem)."""
+                 known: dict[int, dict[str, Any]] | None = None, prefix: str = "rank",
+                 ) -> dict[int, dict[str, Any]]:
+    """The ranks' records in `folder` (or with `prefix="stalled"` their `StallWatch`
+    notes), by rank; those written before `since` left out. The ranks in `known` are not
+    read again: a rank polling for its peers' records reads each file once, not once a
+    poll (hundreds of ranks on a shared filesystem)."""
     records = dict(known or {})
-    for path in folder.glob("rank*.json"):
-        if path.stem[4:].isdigit() and int(path.stem[4:]) in records:
+    for path in folder.glob(f"{prefix}*.json"):
+        number = path.stem[len(prefix):]
+        if not number.isdigit() or int(number) in records:
             continue
         try:
             record = json.loads(path.read_text())
@@ -141,9 +203,12 @@ def read_records(folder: Path, since: float = 0.0,
     return records
 
 
-def report(records: dict[int, dict[str, Any]], world_size: int) -> tuple[str, str]:
-    """The report's text and its one-line summary, from the records there are."""
+def report(records: dict[int, dict[str, Any]], world_size: int,
+           stalled: dict[int, dict[str, Any]] | None = None) -> tuple[str, str]:
+    """The report's text and its one-line summary, from the records there are, and where
+    the ranks that wrote none were stuck when they noted it (`StallWatch`)."""
     silent = [r for r in range(world_size) if r not in records]
+    stuck = {r: (stalled or {})[r] for r in silent if (stalled or {}).get(r, {}).get("where")}
     ended = [r for r in sorted(records) if records[r].get("own_error")]
     waiting = [r for r in sorted(records) if r not in ended]
     first = records[(waiting or ended)[0]]
@@ -164,14 +229,23 @@ def report(records: dict[int, dict[str, Any]], world_size: int) -> tuple[str, st
     elif silent:
         one = len(silent) == 1
         line = (f"{_ranks(silent)} did not reach {call}{step}, which {_ranks(waiting)} waited "
-                f"in{where}: {'it' if one else 'they'} stopped, died or stayed in "
-                f"{'its' if one else 'their'} own code")
+                f"in{where}: ")
+        line += "; ".join(
+            f"rank {r} has been in {note['where']} since step {note['step']}"
+            for r, note in stuck.items()
+        ) if stuck else (f"{'it' if one else 'they'} stopped, died or stayed in "
+                         f"{'its' if one else 'their'} own code")
     else:
         line = (f"every rank reported a failed {call}{step}{where}: none stopped first "
                 "(the network, the store, or every rank at once)")
     lines = [line, "", "rank  host  step  collective  called at  error"]
     for r in range(world_size):
         rec = records.get(r)
+        if rec is None and r in stuck:
+            note = stuck[r]
+            lines.append(f"{r}  -  {note['step']}  -  {note['where']}  in its own code, no "
+                         f"collective (its stack: hang/stalled{r}.json)")
+            continue
         if rec is None:
             lines.append(f"{r}  -  -  -  -  no record (stopped, dead, or not yet failed)")
             continue
@@ -191,7 +265,7 @@ def diagnose(run_dir: Path) -> str | None:
     if not records:
         return None
     world = max(int(r.get("world_size", 0)) for r in records.values())
-    return report(records, max(world, max(records) + 1))[0]
+    return report(records, max(world, max(records) + 1), read_records(folder, prefix="stalled"))[0]
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -54,7 +54,7 @@ from ddptrain.files import atomic_write_text
 from ddptrain.models import build_model, hf_dir, is_hf_model, is_hf_ref
 from ddptrain.observe import Console, Curves, Hook, Hooks, MetricsWriter
 from ddptrain.observe.flops import gpu_fields, meta_shadow
-from ddptrain.observe.hang import POSITION
+from ddptrain.observe.hang import POSITION, StallWatch
 from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.startup import Phases
 from ddptrain.observe.trackers import tracker_hooks
@@ -263,7 +263,7 @@ class Trainer:
         val: dict[str, float] = {}
         POSITION.update(run_dir=str(cfg.run_dir), progress=self.progress)  # (observe.hang)
         try:
-            with self.stop:
+            with self.stop, StallWatch(cfg.run_dir, ctx.rank, ctx.world_size, cfg.timeout_s):
                 self.hooks.on_fit_start(self)
                 while (epoch := self.progress.epoch + 1) <= cfg.epochs:
                     try:
