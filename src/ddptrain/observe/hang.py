@@ -16,7 +16,9 @@ other) and names the ranks that wrote none as the ones that did not reach the co
 (stopped, dead, or still in their own code), or the rank that ended on an error of its own
 (a sample that raised, a DataLoader worker killed, out of memory), which records its line
 (`cli`). Records from before this process started (an earlier attempt) are left out.
-The lowest rank that reported writes `hang/report.txt`, and each ends with one line:
+A rank stuck in its own code writes no record; `StallWatch` notes where it is instead,
+and the line names that place. The lowest rank that reported writes `hang/report.txt`,
+and each ends with one line:
 
     ddptrain: error: lost contact with the other ranks (Timed out waiting 600000ms for
     recv operation to complete): rank 1 did not reach all_reduce #1042 of the default group
