@@ -10,6 +10,7 @@ killed run and its resume are the same run:
   GUARD_KILL_AT=N    the process of rank GUARD_KILL_RANK (default 1) SIGKILLs itself at
                      its N-th training forward: a kill at an exact step, at any load
   GUARD_STALL_S=S    ... or, instead, sleeps S seconds there: user code that stalls
+  GUARD_SIGNAL=SIGSTOP  ... or sends itself this signal instead of SIGKILL
   GUARD_RECORD=DIR   the recorder appends the sample ids of each training batch to
                      DIR/rank<R>.txt, one line per batch
   GUARD_SLOW_SAVE_S=S  rank 0's first checkpoint after training began takes S seconds
@@ -54,7 +55,7 @@ class _KillSwitch:
             if stall:  # user code that takes too long: its peers wait in a collective
                 time.sleep(stall)
             else:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), getattr(signal, os.environ.get("GUARD_SIGNAL", "SIGKILL")))
 
 
 # ---------------------------------------------------------------- RNG: dropout + augmentation
