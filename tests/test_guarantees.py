@@ -151,6 +151,25 @@ def test_a_stateful_stream_resumed_mid_epoch_keeps_its_epochs_order(
 
 
 @pytest.mark.slow
+def test_a_stateful_stream_in_two_loader_workers_resumes_mid_epoch_exactly(
+    tmp_path: Path,
+) -> None:
+    """--num_workers 2: each worker's position in the stream is saved (torchdata's
+    StatefulDataLoader). Rank 1 dies at step 7's forward; the resume from step 6 trains
+    steps 7 and 8 on the uninterrupted run's samples and ends with its weights."""
+    workers = ["--dataset_args", "stateful=true", "--num_workers", "2"]
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    whole = _stream_run(tmp_path, "reference", [*workers, "--output_dir", str(reference)], {})
+    _stream_run(tmp_path, "killed", [*workers, "--output_dir", str(run)], {"GUARD_KILL_AT": "7"})
+    newest = load_checkpoint(list_checkpoints(run / "checkpoints")[0], CPU)
+    assert (newest["step"], newest["epoch"]) == (6, 1)
+    resumed = _stream_run(tmp_path, "resumed", [
+        *workers, "--output_dir", str(run), "--resume_from", "auto"], {})
+    assert _recorded(resumed) == [rank[6:] for rank in _recorded(whole)]
+    assert_bitwise(weights(run), weights(reference))
+
+
+@pytest.mark.slow
 def test_an_iterable_dataset_in_loader_workers_is_told_the_epoch(tmp_path: Path) -> None:
     record = _stream_run(tmp_path, "workers", [
         "--num_workers", "2", "--output_dir", str(tmp_path / "run")

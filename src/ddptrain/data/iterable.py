@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -112,15 +113,21 @@ class IterableBatches:
         self, dataset: IterableDataset, config: TrainingConfig, ctx: DistributedContext,
         collate: Callable[[list[Any]], Any] | None = None,
     ) -> None:
-        self.loader = make_iterable_loader(dataset, config, ctx, collate=collate)
+        # Exact mid-epoch resume needs the dataset's own position: read in this process,
+        # or in each DataLoader worker by torchdata's StatefulDataLoader, which hands
+        # each its own again; a stream split at its source has a position per shard,
+        # which it does not share.
+        has_state = not shards_itself(dataset) and all(
+            hasattr(dataset, name) for name in ("state_dict", "load_state_dict")
+        )
+        stateful_loader = _stateful_loader() if has_state and config.num_workers else None
+        self.loader = make_iterable_loader(dataset, config, ctx, collate=collate,
+                                           kind=stateful_loader or DataLoader)
         self.shard: RankShard = self.loader.dataset  # type: ignore[assignment]
         self.ctx, self.accum = ctx, config.grad_accum_steps
         self._flag = torch.zeros(1, device=ctx.device)
-        # Exact mid-epoch resume needs the dataset's own position, read in this process;
-        # a stream split at its source has a position per shard, which it does not share.
-        self.stateful = config.num_workers == 0 and not shards_itself(dataset) and all(
-            hasattr(dataset, name) for name in ("state_dict", "load_state_dict")
-        )
+        self.stateful = has_state and (config.num_workers == 0 or stateful_loader is not None)
+        self._workers = stateful_loader is not None  # the position is the loader's
         self.state: dict[str, Any] | None = None  # after the last batch handed out
         self._resumed = False
         try:
@@ -143,14 +150,25 @@ class IterableBatches:
         return self.state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the interrupted epoch where this rank's shard stood."""
-        self.shard.load_state_dict(state)
+        """Continue the interrupted epoch where this rank's shard (or each of its
+        workers' shards) stood."""
+        if self._workers:
+            self.loader.load_state_dict(state)  # type: ignore[attr-defined]
+        else:
+            self.shard.load_state_dict(state)
         self._resumed = True
+
+    def _position(self) -> dict[str, Any] | None:
+        if not self.stateful:
+            return None
+        if self._workers:
+            return self.loader.state_dict()  # type: ignore[attr-defined]
+        return self.shard.state_dict()
 
     def _pull(self, it: Iterator[Any]) -> tuple[Any, bool, float, Any]:
         t0 = time.perf_counter()
         batch = next(it, None)
-        state = self.shard.state_dict() if self.stateful else None  # right after this batch
+        state = self._position()  # right after this batch
         more = batch is not None
         if self.ctx.distributed:  # the one host read per micro-batch a stream needs
             self._flag.fill_(float(more))
@@ -194,11 +212,26 @@ class IterableBatches:
 def make_iterable_loader(
     dataset: IterableDataset, config: TrainingConfig, ctx: DistributedContext,
     batch_size: int | None = None, collate: Callable[[list[Any]], Any] | None = None,
+    kind: type[DataLoader] = DataLoader,
 ) -> DataLoader:
     shard = RankShard(dataset, ctx.data_world, ctx.data_rank)
     # Workers that persisted across epochs would keep the copy of the stream they started
     # with, and never hear of `set_epoch`: an iterable's workers start anew each epoch.
     return make_loader(
         shard, config, ctx, batch_size=batch_size or config.batch_size, persistent=False,
-        collate=collate,
+        collate=collate, kind=kind,
     )
+
+
+def _stateful_loader() -> type[DataLoader] | None:
+    """torchdata's StatefulDataLoader (`pip install 'ddptrain[streams]'`), or None."""
+    try:
+        with warnings.catch_warnings():  # torchdata 0.11 announces its next major version
+            warnings.simplefilter("ignore")
+            from torchdata import stateful_dataloader  # type: ignore[import-untyped]
+    except ImportError:
+        return None
+    # each epoch's iterator calls a torch API torch 2.13 deprecates: nothing for the user
+    warnings.filterwarnings("ignore", r"'set_vital' is deprecated", UserWarning)
+    loader: type[DataLoader] = stateful_dataloader.StatefulDataLoader
+    return loader

@@ -202,18 +202,20 @@ class Samples(Dataset):
 
 def make_loader(
     dataset: Dataset, config: TrainingConfig, ctx: DistributedContext, persistent: bool = True,
-    collate: Callable[[list[Any]], Any] | None = None, **kwargs: Any,
+    collate: Callable[[list[Any]], Any] | None = None, kind: type[DataLoader] = DataLoader,
+    **kwargs: Any,
 ) -> DataLoader:
     """`collate`: the user's, given a list of samples (a pre-batched dataset is then read
     sample by sample); without it, pre-batched data passes through and other samples are
-    stacked."""
+    stacked. `kind`: DataLoader, or a subclass that takes its arguments (torchdata's
+    StatefulDataLoader)."""
     generator = torch.Generator()
     generator.manual_seed(config.seed + ctx.data_rank)
     workers = config.num_workers
     if collate is not None and is_batched(dataset):
         dataset = Samples(dataset)
     collate_fn = collate or (pass_through if is_batched(dataset) else stack_samples)
-    return DataLoader(
+    return kind(
         named(dataset),
         num_workers=workers,
         collate_fn=collate_fn,

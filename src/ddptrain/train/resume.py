@@ -140,8 +140,9 @@ def _restore_position(trainer: Trainer, payload: dict[str, Any]) -> None:
             return
         log.warning(
             "an IterableDataset without state_dict/load_state_dict (or with DataLoader "
-            "workers, or on another layout) cannot start part-way: epoch %d restarts "
-            "from its beginning", progress.epoch + 1,
+            "workers but without torchdata: pip install 'ddptrain[streams]'; or on another "
+            "layout) cannot start part-way: epoch %d restarts from its beginning",
+            progress.epoch + 1,
         )
         progress.samples_in_epoch = 0
         trainer.resumed_meter = None
