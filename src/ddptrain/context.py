@@ -6,6 +6,7 @@ pinned and the process group is up; nothing reads distributed state from globals
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,3 +67,12 @@ def gather_to_main(value: Any, ctx: DistributedContext) -> list[Any] | None:
     out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
     dist.gather_object(value, out, dst=0)
     return out
+
+
+def from_main(compute: Callable[[], Any], ctx: DistributedContext) -> Any:
+    """What rank 0 computes (`compute()`, called there alone: plain data), on every rank.
+    Collective."""
+    box = [compute() if ctx.is_main else None]
+    if ctx.distributed:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -25,11 +25,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
-
 from ddptrain.checkpoint.manager import discard_from, newest_before
 from ddptrain.config import TrainingConfig, step_ranges
-from ddptrain.context import DistributedContext
+from ddptrain.context import DistributedContext, from_main
 from ddptrain.errors import Diverged
 from ddptrain.files import atomic_write_text
 from ddptrain.observe.hang import POSITION
@@ -53,10 +51,8 @@ class SkippedSteps:
         self.path = config.run_dir / ROLLBACKS
         self.run_id = config.run_id
         self.ranges = step_ranges(config.skip_steps)
-        recorded = [_recorded(self.path, config.run_id) if ctx.is_main else None]
-        if ctx.distributed:
-            dist.broadcast_object_list(recorded, src=0)
-        self.rollbacks: list[dict[str, Any]] = recorded[0] or []
+        self.rollbacks: list[dict[str, Any]] = from_main(
+            lambda: _recorded(self.path, config.run_id), ctx)
         self.ranges += [(r["first"], r["last"]) for r in self.rollbacks]
 
     def covers(self, step: int) -> bool:
@@ -91,13 +87,12 @@ def roll_back(trainer: Trainer, spike: SpikeRollback) -> None:
     its steps skipped, or end the run (`Diverged`). Collective."""
     cfg, ctx, skips = trainer.config, trainer.ctx, trainer.skips
     trainer.checkpoints.wait()  # a save in flight is one of the candidates
-    choice: list[Any] = [None]
-    if ctx.is_main:
+
+    def newest() -> str | None:
         found = newest_before(trainer.checkpoints.directory, spike.first)
-        choice[0] = str(found) if found is not None else None
-    if ctx.distributed:
-        dist.broadcast_object_list(choice, src=0)
-    target = choice[0]
+        return None if found is None else str(found)
+
+    target: str | None = from_main(newest, ctx)
     if target is None or len(skips.rollbacks) >= cfg.max_rollbacks:
         why = (
             f"no checkpoint before step {spike.first} to roll back to (checkpoint more often: "

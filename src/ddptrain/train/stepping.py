@@ -82,9 +82,14 @@ def optimizer_step(trainer: Trainer, sums: MetricSums) -> torch.Tensor | bool:
     if trainer.ema is not None and verdict is not False:
         trainer.ema.update(verdict if isinstance(verdict, torch.Tensor) else None)
     optimizer.zero_grad(set_to_none=True)
-    trainer.scheduler.step()
-    trainer.steer.apply()  # a hook's LR multiplier, on the rates just scheduled
+    _next_rates(trainer)
     return verdict
+
+
+def _next_rates(trainer: Trainer) -> None:
+    """The schedule's next step, and a hook's LR multiplier on the rates just scheduled."""
+    trainer.scheduler.step()
+    trainer.steer.apply()
 
 
 def skipped_step(trainer: Trainer) -> bool:
@@ -93,8 +98,7 @@ def skipped_step(trainer: Trainer) -> bool:
     trainer.history["skipped_steps"] = trainer.history.get("skipped_steps", 0) + 1
     with warnings.catch_warnings():  # a run's first step skipped: no optimizer step yet
         warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
-        trainer.scheduler.step()
-    trainer.steer.apply()
+        _next_rates(trainer)
     return True
 
 
