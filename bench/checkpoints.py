@@ -300,10 +300,13 @@ def report(results: dict[str, Any]) -> str:
               "far (`latest.pt` and `best.pt` are hard links to the step file). A DCP save "
               "takes its checksums from the bytes as they are written and a resume checks "
               "each entry's bytes as DCP reads them to deserialise it, before the entry is "
-              "loaded (the CRC, 0.3 s per 512 MB on one core here, is the whole cost: warm, "
-              "one process, 512 MB load 0.61-0.67 s unchecked, 0.79-0.80 s checked); a `.pt` "
-              "resume maps the file and checks "
-              "each tensor from the page cache the read filled. *before* checked a step "
+              "loaded; a large write is summed on a helper thread while it is written "
+              "(zlib and the write both let go of the GIL). A `.pt` save sums its tensors "
+              "in 32 MB chunks on a few threads before torch writes them, and tells "
+              "torch's zip writer not to sum every record again with its own CRC-32 "
+              "(slower than zlib's, and as long as the write itself: *raw* pays it, which "
+              "is why the 20-layer save is 0.71x raw); a `.pt` resume maps the file and "
+              "checks each tensor from the page cache the read filled. *before* checked a step "
               "directory with a sequential read of every file, then loaded it: here the load "
               "found those bytes in the page cache (GB read is storage reads), which a state "
               "of 10-100 GB a node does not fit in. *raw* `.pt` is `torch.load` as it "
@@ -314,8 +317,9 @@ def report(results: dict[str, Any]) -> str:
               "too. Single runs on these 2 shared cores vary by up to a factor of two (raw fsdp "
               "save at 20 layers: 4.2 to 8.4 s), so each table is the median of 3 rounds, "
               "the rows in turn within a round (each round's figures in the last column); "
-              "the fsdp *raw* and *after* rows are a later set of rounds, on a quieter "
-              "machine, than the ddp and *before* rows; bytes are exact.", ""]
+              "the *raw* and *after* rows are one later set of rounds than the *before* "
+              "rows, on a busier machine (raw fsdp save at 6 layers 2.1 s against 1.6 s "
+              "then), so *before* divided by today's *raw* reads low; bytes are exact.", ""]
     return "\n".join(lines)
 
 

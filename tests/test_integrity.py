@@ -63,7 +63,9 @@ def _flip_a_field(path: Path, key: str) -> None:
     after the key's string and its memo entry (`q` i)."""
     with zipfile.ZipFile(path) as z:
         info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
-        data = z.read(info)
+    with path.open("rb") as f:  # the record as stored (ddptrain's zip records carry no CRC)
+        f.seek(_member_offset(path, info))
+        data = f.read(info.file_size)
     name = key.encode()
     at = data.find(b"X" + len(name).to_bytes(4, "little") + name)
     assert at >= 0, key
@@ -353,12 +355,41 @@ def test_a_dcp_step_is_summed_as_it_is_written_and_checked_as_it_is_read_each_by
 
 def test_a_files_crc_is_folded_from_its_entries_crcs_as_zlib_would_sum_the_bytes() -> None:
     """A step directory's file CRC takes each entry's CRC instead of summing its bytes a
-    second time (`summing.crc32_combine`)."""
+    second time (`integrity.crc32_combine`)."""
     import zlib
 
-    from ddptrain.checkpoint.summing import crc32_combine
+    from ddptrain.checkpoint.integrity import crc32_combine
 
     for head, tail in ((b"", b""), (b"PK\x03\x04", os.urandom(1)), (os.urandom(999),
                                                                    os.urandom(70_001))):
         assert crc32_combine(zlib.crc32(head), zlib.crc32(tail), len(tail)) == zlib.crc32(
             head + tail)
+
+
+def test_a_state_is_summed_in_chunks_on_threads_as_zlib_sums_it_whole_and_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tensor_crcs` splits large tensors among threads and folds the chunks' CRCs: the
+    same [bytes, crc] as one zlib pass over each tensor. A `.pt` save sums each byte that
+    once: torch's zip writer, which would sum every record again with a CRC of its own
+    (about as long as the write), is told not to, and its option is restored."""
+    import zlib
+
+    import ddptrain.checkpoint.integrity as integrity
+
+    monkeypatch.setattr(integrity, "_CHUNK", 1 << 16)
+    tensors = [torch.randn(100_003), torch.zeros(0), torch.arange(7, dtype=torch.int8),
+               torch.randn(64, 64).t()]  # several chunks, empty, tiny, not contiguous
+    expected = []
+    for tensor in tensors:
+        raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        expected.append([len(raw), zlib.crc32(raw)])
+    assert integrity.tensor_crcs(tensors) == expected
+
+    ctx = DistributedContext(0, 0, 1, CPU)
+    path = save_checkpoint(tmp_path, 1, {"step": 1, "w": tensors[0]}, ctx, keep_last=0)
+    with zipfile.ZipFile(path) as z:
+        assert {i.CRC for i in z.infolist()} == {0}
+    assert torch.serialization.get_crc32_options()
+    forget_reads()
+    assert torch.equal(load_checkpoint(path, CPU, verify=True)["w"], tensors[0])

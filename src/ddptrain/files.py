@@ -198,9 +198,10 @@ def write_sums(directory: Path, names: list[str]) -> None:
     atomic_write_text(directory / SUMS_FILE, json.dumps(sums, indent=1) + "\n")
 
 
-def sums_damage(directory: Path) -> str | None:
+def sums_damage(directory: Path, share: tuple[int, int] = (0, 1)) -> str | None:
     """What is wrong with `directory`'s files against its `SUMS_FILE`, or None (also for a
-    directory without one: another tool wrote it)."""
+    directory without one: another tool wrote it). `share` (rank, ranks): only every
+    ranks-th file from the rank-th, sorted by name (the ranks split the reading)."""
     path = directory / SUMS_FILE
     if not path.is_file():
         return None
@@ -208,9 +209,10 @@ def sums_damage(directory: Path) -> str | None:
         expected = json.loads(path.read_text())
         # Checked once per process while the files stay as they are (a model built on
         # the meta device and then filled, `--init_from` reading shapes and then weights).
-        key = tuple((n, *_stamp(directory / n)) for n in [SUMS_FILE, *sorted(expected)])
+        mine = sorted(expected)[share[0]::share[1]]
+        key = (share, *((n, *_stamp(directory / n)) for n in [SUMS_FILE, *mine]))
         if key not in _whole:
-            damage = files_damage(directory, expected, list(expected))
+            damage = files_damage(directory, expected, mine)
             if damage is not None:
                 return damage
             _whole.add(key)

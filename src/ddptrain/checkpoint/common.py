@@ -16,7 +16,10 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -81,7 +84,7 @@ def atomic_save(payload: dict[str, Any], path: Path, links: tuple[Path, ...] = (
         # Streamed to the file: no second copy of the state in memory. torch's zip writer
         # reports a failed write (a full disk) as a RuntimeError about file positions; the
         # sink keeps the OSError (ENOSPC, EDQUOT), which is raised as it is.
-        with tmp.open("wb") as f:
+        with tmp.open("wb") as f, _without_zip_crcs():
             sink = _Sink(f)
             try:
                 torch.save(payload, sink)  # type: ignore[arg-type]  # write and flush suffice
@@ -92,6 +95,23 @@ def atomic_save(payload: dict[str, Any], path: Path, links: tuple[Path, ...] = (
         for name in links:
             with staged(name) as other:
                 link_or_copy(tmp, other)
+
+
+_zip_crcs_lock = threading.Lock()
+
+
+@contextmanager
+def _without_zip_crcs() -> Iterator[None]:
+    """torch's zip writer would sum every record again, with a CRC-32 slower than zlib's
+    (as long as the write itself): the payload's checksums guard the same bytes. The
+    option is torch's global: a background save and the main thread take turns."""
+    with _zip_crcs_lock:
+        before = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            yield
+        finally:
+            torch.serialization.set_crc32_options(before)
 
 
 class _Sink:
@@ -184,7 +204,7 @@ def agree_on_write(
     if code > 0:
         reason = f"{os.strerror(code)} (errno {code})"
     elif failure is not None and not isinstance(failure, OSError):
-        reason = _first_line(failure)
+        reason = first_line(failure)
     else:
         reason = "an OS error"
     name = getattr(failure, "filename", None) if failure is not None else None
@@ -202,7 +222,7 @@ def timed_out(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
 

@@ -339,7 +339,7 @@ class ShardedCheckpointer:
                 )
                 self._pending = (future, partial, final, meta, best, writer)
             else:
-                with _one_process_quietly():
+                with quiet_without_group():
                     dcp.save(
                         state, checkpoint_id=partial, planner=planner,
                         process_group=self.group, storage_writer=writer,
@@ -450,7 +450,7 @@ def follow_pointer(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _one_process_quietly() -> Iterator[None]:
+def quiet_without_group() -> Iterator[None]:
     """DCP without a process group (one process, on purpose), without its warning that
     it assumes so: a run's stderr keeps to its own lines."""
     with warnings.catch_warnings():
@@ -475,7 +475,7 @@ def load_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any] | None 
     sums = {"files": meta.get("shards"), "items": meta.get("items")} if meta else None
     reader = SafeReader(str(path), sums)
     try:
-        with _one_process_quietly():
+        with quiet_without_group():
             dcp.load(state, checkpoint_id=path, storage_reader=reader,
                      planner=SafeLoadPlanner(reader))
     except (Exception, CheckpointException) as exc:  # DCP's own derives from BaseException
@@ -515,7 +515,7 @@ def model_state_from_dir(path: Path) -> dict[str, torch.Tensor]:
         if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
     state = {"model": template}
-    with _one_process_quietly():
+    with quiet_without_group():
         dcp.load(
             state, checkpoint_id=path, no_dist=True, storage_reader=SafeReader(str(path)),
             planner=SafeLoadPlanner(),

@@ -5,14 +5,21 @@ Hugging Face model also `hf/`, a `save_pretrained` directory (`export_hf_dir`).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ddptrain.checkpoint.common import CheckpointError
-from ddptrain.checkpoint.integrity import safetensors_damage, safetensors_sums
+from ddptrain.checkpoint.common import CheckpointError, first_line
+from ddptrain.checkpoint.integrity import (
+    SAFETENSORS_SUMS,
+    safetensors_damage,
+    safetensors_sums,
+    share,
+    tensors_damage,
+)
 from ddptrain.checkpoint.manager import load_checkpoint
 from ddptrain.context import DistributedContext
 from ddptrain.files import check_output, refuse_special, staged, staged_dir, write_sums
@@ -101,6 +108,28 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
             "`ddptrain export`, or give a checkpoint"
         )
     return state, metadata
+
+
+def safetensors_share_damage(path: Path, rank: int, ranks: int) -> str | None:
+    """What is wrong with a safetensors file against the tensor checksums ddptrain's
+    export wrote into it, checking only this rank's share of its tensors (every
+    ranks-th name from the rank-th), or None (also for another tool's file)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            text = (f.metadata() or {}).get(SAFETENSORS_SUMS)
+            if text is None:
+                return None
+            expected = json.loads(text)
+            if not isinstance(expected, dict) or set(expected) != set(f.keys()):
+                return f"{path.name}: its tensors are not those its checksums list"
+            mine = share(list(expected), rank, ranks)
+            found = {k: f.get_tensor(k) for k in mine}
+    except Exception as exc:  # safetensors' own errors, a vanished file, a bad header
+        return f"{path.name} cannot be read ({first_line(exc)})"
+    damage = tensors_damage(found, {k: expected[k] for k in mine})
+    return None if damage is None else f"{path.name}: {damage}"
 
 
 def read_safetensors_state(path: Path) -> dict[str, torch.Tensor]:

@@ -6,13 +6,19 @@ optimizer, schedule and progress.
 PATH is a `.safetensors` file, a run directory (its `model.safetensors`), a `.pt`
 checkpoint or a DCP step directory (their model weights), or a Hugging Face
 `save_pretrained` directory (`model.safetensors`, or its shards and their index). The
-names and shapes are compared with the model before the process group starts
-(`check_fit`: strict, one line naming what does not fit; `--no-init_strict` loads what
-fits and logs the rest); the readers are the checkpoint's own, checksums included, so a
-damaged `.pt` or step directory is refused. Rank 0 alone reads the weights and every
-rank receives them a tensor at a time (`load_initial_weights`): under fsdp each keeps
-only its shard, as when it starts from rank 0's seeded template. A resume wins: a run
-that resumes never re-initialises.
+names and shapes are compared with the model before the process group starts, from the
+files' headers (`check_fit`: strict, one line naming what does not fit; `--no-init_strict`
+loads what fits and logs the rest).
+
+From safetensors and step directories each rank reads only what it will hold
+(`load_initial_weights`, through DCP's planner and its Hugging Face reader): its fsdp
+shard, its tp slice, its pipeline stages (the whole model under ddp, where each rank holds
+it whole), so no rank reads or holds the model whole for the others. The checksums
+ddptrain wrote with them are checked on the way: a step directory's entry by entry as
+they are read, safetensors by the ranks in shares (a directory's files, a file's
+tensors), and a damaged source is refused on every rank with one line. A `.pt` file is
+read by rank 0 and sent one tensor at a time. A resume wins: a run that resumes never
+re-initialises.
 """
 
 from __future__ import annotations
@@ -25,22 +31,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from ddptrain.checkpoint.common import CheckpointError, read_payload
 from ddptrain.checkpoint.dcp import (
-    META,
     check_metadata,
     check_shards,
     follow_pointer,
-    model_state_from_dir,
+    load_sharded,
+    quiet_without_group,
     read_meta,
 )
-from ddptrain.checkpoint.export import read_safetensors
+from ddptrain.checkpoint.export import safetensors_share_damage
 from ddptrain.context import DistributedContext
 from ddptrain.errors import few
-from ddptrain.files import refuse_special, sums_damage
+from ddptrain.files import SUMS_FILE, refuse_special, sums_damage
 from ddptrain.parallel.lora import base_name, is_adapter
 
 log = logging.getLogger("ddptrain")
@@ -48,7 +58,6 @@ log = logging.getLogger("ddptrain")
 WEIGHTS = "model.safetensors"
 SHARDED = "model.safetensors.index.json"  # save_pretrained's shards and where each name is
 Shapes = dict[str, tuple[int, ...]]
-_checked_dirs: set[tuple[str, int]] = set()  # step directories whose files passed their CRCs
 
 
 @dataclass(frozen=True)
@@ -78,12 +87,7 @@ class Fit:
 
 # ---------------------------------------------------------------------- reading
 def _weights_file(path: Path) -> Path:
-    """The safetensors file (or shard index) of a run or Hugging Face directory, whose
-    files are checked first against the checksums ddptrain exported with them."""
-    damage = sums_damage(path)
-    if damage is not None:
-        raise CheckpointError(f"--init_from {str(path)!r} is damaged: {damage}: export it "
-                              "again, or give another directory")
+    """The safetensors file (or shard index) of a run or Hugging Face directory."""
     for name in (WEIGHTS, SHARDED):
         if (path / name).is_file():
             return path / name
@@ -145,19 +149,16 @@ def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
 
 
 def source_shapes(path: Path) -> tuple[Shapes, dict[str, str]]:
-    """The names and shapes of the weights at `path`, and the ties it records. A `.pt`
-    file and a step directory are checked against their checksums first (a damaged one
-    is refused); safetensors are read from their headers."""
+    """The names and shapes of the weights at `path`, and the ties it records, from the
+    headers (safetensors) or the metadata (a step directory, its `meta.pt` checked); a
+    `.pt` file is checked against its checksums first. The bytes of safetensors and step
+    directories are checked as the ranks read them (`load_initial_weights`)."""
     cpu = torch.device("cpu")
     path = follow_pointer(path)
     if _is_step_dir(path):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        meta = read_meta(path, cpu)
-        key = (str(path.resolve()), (path / META).stat().st_mtime_ns)
-        if key not in _checked_dirs:  # checked before the process group, not again after
-            check_shards(path, meta, DistributedContext(0, 0, 1, cpu))
-            _checked_dirs.add(key)
+        read_meta(path, cpu)
         entries = check_metadata(path).state_dict_metadata
         return {
             key.removeprefix("model."): tuple(md.size)
@@ -171,21 +172,6 @@ def source_shapes(path: Path) -> tuple[Shapes, dict[str, str]]:
     payload = read_payload(path, cpu, verify=True)
     state = payload.get("model_state_dict") or {}
     return {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v)}, {}
-
-
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The whole model state at `path`, on the CPU (a `.pt` is memory-mapped)."""
-    path = follow_pointer(path)
-    if _is_step_dir(path):
-        return model_state_from_dir(path)
-    if path.is_dir():
-        path = _weights_file(path)
-    if path.suffix == ".safetensors" or path.name == SHARDED:
-        state: dict[str, torch.Tensor] = {}
-        for file in _safetensors_files(path):
-            state.update(read_safetensors(file)[0])  # checked against its checksums
-        return state
-    return dict(read_payload(path, torch.device("cpu"), verify=True)["model_state_dict"])
 
 
 # ---------------------------------------------------------------------- fitting
@@ -218,14 +204,15 @@ def _unwrapped(names: dict[str, str], own: Iterable[str]) -> None:
             names.setdefault(name, names[base_name(name)])
 
 
-def check_fit(model: nn.Module, path: Path, strict: bool) -> Fit:
-    """How the weights at `path` fit `model` (which may be on the meta device, or
-    sharded); strict: refused with one line naming what does not fit."""
+def _fit(model: nn.Module, path: Path) -> tuple[Fit, dict[str, str]]:
+    """How the weights at `path` fit `model`, and the names that load: {the model's name:
+    the name stored in the weights}."""
     shapes, ties = source_shapes(path)
     reads = {k: k for k in shapes}
     _complete(reads, ties, tied_names(model))
     own = {k: tuple(v.shape) for k, v in model.state_dict().items() if not is_adapter(k)}
     _unwrapped(reads, own)
+    loads = {k: reads[k] for k in own if k in reads and shapes[reads[k]] == own[k]}
     fit = Fit(
         missing=sorted(set(own) - set(reads)),
         unexpected=sorted(set(shapes) - {reads[k] for k in own if k in reads}),
@@ -233,43 +220,148 @@ def check_fit(model: nn.Module, path: Path, strict: bool) -> Fit:
             f"{k} {shapes[reads[k]]} vs {own[k]}"
             for k in sorted(set(own) & set(reads)) if shapes[reads[k]] != own[k]
         ],
-        loaded=sum(1 for k in own if k in reads and shapes[reads[k]] == own[k]),
+        loaded=len(loads),
     )
+    return fit, loads
+
+
+def check_fit(model: nn.Module, path: Path, strict: bool) -> Fit:
+    """How the weights at `path` fit `model` (which may be on the meta device, or
+    sharded); strict: refused with one line naming what does not fit."""
+    fit, _ = _fit(model, path)
+    _refuse_unfit(fit, path, strict)
+    return fit
+
+
+def _whole_fit(fit: Fit, loads: dict[str, str], ctx: DistributedContext) -> Fit:
+    """Collective: the fit of the model all ranks hold together (a name of the weights is
+    unexpected only when no rank reads it), the same on every rank."""
+    every: list[Any] = [None] * ctx.world_size
+    mine = (fit.missing, fit.mismatched, sorted(set(loads.values())), fit.unexpected)
+    dist.all_gather_object(every, mine)
+    read = {name for part in every for name in part[2]}
+    return Fit(
+        missing=sorted({n for part in every for n in part[0]}),
+        unexpected=sorted({n for part in every for n in part[3]} - read),
+        mismatched=sorted({n for part in every for n in part[1]}),
+        loaded=len(read),
+    )
+
+
+def _refuse_unfit(fit: Fit, path: Path, strict: bool) -> None:
     if strict and not fit.exact:
         raise CheckpointError(
             f"--init_from {str(path)!r} does not fit this model: {fit.describe()}; give "
             "weights of the same --model (and --width, data), or --no-init_strict to load "
             "what fits"
         )
-    return fit
 
 
 def load_initial_weights(
     module: nn.Module, path: Path, ctx: DistributedContext, strict: bool
 ) -> Fit:
     """Collective: fill `module` (whole, wrapped in place or sharded) with the weights at
-    `path`. Rank 0 reads them; each rank receives them one tensor at a time and keeps what
-    it holds (its shard under fsdp). What does not fit was refused or is logged."""
-    fit = check_fit(module, path, strict)
+    `path`. From safetensors and step directories each rank reads only what it holds (its
+    fsdp shard, its tp slice, its pipeline stages; the whole model under ddp), and the
+    ranks share the checking of the bytes; a `.pt` file is read by rank 0 and sent one
+    tensor at a time. What does not fit was refused or is logged."""
+    fit, loads = _fit(module, path)
+    if ctx.distributed:  # a pipeline stage holds part of the model: judged as a whole
+        fit = _whole_fit(fit, loads, ctx)
+    _refuse_unfit(fit, path, strict)
     if not fit.exact:
         log.warning("--init_from %s: %d tensors load, the rest keep their initial values "
                     "(%s)", path, fit.loaded, fit.describe())
+    source = follow_pointer(path)
+    if _is_step_dir(source) or source.is_dir() or source.suffix == ".safetensors":
+        _read_own_parts(module, source, loads, ctx)
+    else:
+        _receive_from_rank0(module, source, loads, ctx)
+    log.info("initial weights from %s (%d tensors)", path, fit.loaded)
+    return fit
+
+
+def _read_own_parts(
+    module: nn.Module, source: Path, loads: dict[str, str], ctx: DistributedContext
+) -> None:
+    """Each rank reads from `source` the slices of the tensors it holds, into them (DCP
+    plans the slices: DTensor shards, plain tensors whole)."""
+    own = module.state_dict()
+    into: dict[str, torch.Tensor] = {}  # by the name stored: one read per stored tensor
+    twins: list[tuple[torch.Tensor, str]] = []  # tied names this rank holds apart
+    for name, stored in loads.items():
+        if stored in into:
+            twins.append((own[name], stored))
+        else:
+            into[stored] = own[name]
+    if _is_step_dir(source):
+        meta = read_meta(source, torch.device("cpu"))
+        if not meta.get("items"):  # written before per-entry checksums: its files first
+            check_shards(source, meta, ctx)
+        load_sharded(source, {"model": into}, meta)  # each entry checked as it is read
+    else:
+        files = _safetensors_files(_weights_file(source) if source.is_dir() else source)
+        damage = _shared_damage(source, files, ctx)
+        if damage is not None:
+            raise CheckpointError(f"--init_from {str(source)!r} is damaged: {damage}: export "
+                                  "it again, or give another directory")
+        with quiet_without_group():
+            dcp.load(into, storage_reader=SafetensorsReader(files))
+    with torch.no_grad():
+        for tensor, stored in twins:
+            tensor.copy_(into[stored])
+
+
+def _shared_damage(source: Path, files: list[Path], ctx: DistributedContext) -> str | None:
+    """Collective: what is wrong with the safetensors `files` against the checksums
+    ddptrain wrote with them (a directory's file sums, or a file's tensor sums), each
+    rank checking its share; the same answer on every rank."""
+    rank, world = ctx.rank, ctx.world_size
+    directory = source if source.is_dir() else None
+    if directory is not None and (directory / SUMS_FILE).is_file():
+        damage = sums_damage(directory, share=(rank, world))
+    else:
+        damage = next((d for f in files if (d := safetensors_share_damage(f, rank, world))),
+                      None)
+    if not ctx.distributed:
+        return damage
+    found: list[str | None] = [None] * world
+    dist.all_gather_object(found, damage)
+    return next((d for d in found if d is not None), None)
+
+
+def _receive_from_rank0(
+    module: nn.Module, source: Path, loads: dict[str, str], ctx: DistributedContext
+) -> None:
+    """A `.pt` file: rank 0 maps it, every rank receives the weights one tensor at a
+    time and keeps what it holds."""
     state: dict[str, Any] = {}
     if ctx.is_main:
-        weights = read_weights(path)
-        reads = {k: k for k in weights}
-        _complete(reads, {}, tied_names(module))
-        own = module.state_dict()
-        _unwrapped(reads, own)
-        state = {
-            k: weights[reads[k]] for k in own
-            if k in reads and tuple(weights[reads[k]].shape) == tuple(own[k].shape)
-        }
+        weights = read_payload(source, torch.device("cpu"), verify=True)["model_state_dict"]
+        state = {k: weights[stored] for k, stored in loads.items()}
     if not ctx.distributed:
         with torch.no_grad():
             module.load_state_dict(state, strict=False)
     else:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         set_model_state_dict(module, state, options=options)
-    log.info("initial weights from %s (%d tensors)", path, fit.loaded)
-    return fit
+
+
+class SafetensorsReader(HuggingFaceStorageReader):
+    """DCP's reader of Hugging Face safetensors (each rank reads the slices it plans,
+    from the memory-mapped files), limited to `files`: a directory may hold others."""
+
+    def __init__(self, files: list[Path]) -> None:
+        super().__init__(str(files[0].parent))
+        self.only = {str(f.resolve()) for f in files}
+
+    def read_metadata(self) -> Metadata:
+        metadata = super().read_metadata()
+        kept = {index: info for index, info in (metadata.storage_data or {}).items()
+                if str(Path(info.relative_path).resolve()) in self.only}
+        names = {index.fqn for index in kept}
+        metadata.storage_data = kept
+        metadata.state_dict_metadata = {
+            k: v for k, v in metadata.state_dict_metadata.items() if k in names
+        }
+        return metadata

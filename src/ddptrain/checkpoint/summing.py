@@ -6,10 +6,12 @@ each file's [bytes, crc32] (`files`, the same sums `integrity.share` splits amon
 ranks for a whole-directory check) and each stored item's (`items`: one tensor chunk or
 one entry saved as bytes, by `item_key`) are taken from the bytes as they go to disk, so
 nothing is read back, and each byte is summed once: a file's CRC folds in the CRC of each
-entry written into it (`crc32_combine`), summing only the bytes between entries. A
-resume checks each item's byte range against `items` as DCP reads it to deserialise it
-(`CheckedRange`), before the entry is loaded into the model: each byte is read once, by
-the rank that needs it, and a damaged range is `Damaged`, never loaded.
+entry written into it (`crc32_combine`), summing only the bytes between entries. A large
+write is summed on a helper thread while this one writes it: the time of the longer of
+the two, not of both. A resume checks each item's byte range against `items` as DCP
+reads it to deserialise it (`CheckedRange`), before the entry is loaded into the model:
+each byte is read once, by the rank that needs it, and a damaged range is `Damaged`,
+never loaded.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import io
 import os
 import zlib
 from collections.abc import Callable, Generator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -26,6 +29,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
+
+from ddptrain.checkpoint.integrity import crc32_combine
 
 
 class Damaged(Exception):
@@ -39,36 +44,16 @@ def item_key(index: MetadataIndex) -> str:
     return f"{index.fqn}@{','.join(str(int(o)) for o in index.offset)}"
 
 
-_POLY = 0xEDB88320  # CRC-32's polynomial, reflected
+_ALONGSIDE = 1 << 20  # a write this large is summed on `_helper` while it is written
+_helpers: list[ThreadPoolExecutor] = []
 
 
-def _multmodp(a: int, b: int) -> int:
-    """a x b modulo CRC-32's polynomial (reflected bit order), as zlib computes it."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if a & (m - 1) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-_X2N = [1 << 30]  # x^(2^k) modulo the polynomial
-for _ in range(31):
-    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of A + B from A's CRC, B's CRC and B's length (zlib's
-    `crc32_combine`, which Python's zlib does not expose): no byte read again."""
-    p, k = 1 << 31, 3  # x^0; a byte is 2^3 bits
-    while len2:
-        if len2 & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        len2 >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
+def _helper() -> ThreadPoolExecutor:
+    """The process's one summing thread (zlib and the file write both let go of the GIL,
+    so a write and its CRC take the time of the longer, not of both)."""
+    if not _helpers:
+        _helpers.append(ThreadPoolExecutor(1, thread_name_prefix="ddptrain-crc"))
+    return _helpers[0]
 
 
 class _Summed(io.RawIOBase):
@@ -88,12 +73,22 @@ class _Summed(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        n = self.raw.write(view)
-        n = len(view) if n is None else n
         if self.inner:
+            n = self.raw.write(view)
+            n = len(view) if n is None else n
             self.passed += n
-        else:
+        elif len(view) < _ALONGSIDE:
+            n = self.raw.write(view)
+            n = len(view) if n is None else n
             self.crc = zlib.crc32(view[:n], self.crc)
+        else:  # summed on a helper thread while this one writes the same bytes
+            summing = _helper().submit(zlib.crc32, view, self.crc)
+            try:
+                n = self.raw.write(view)
+            finally:
+                crc = summing.result()
+            n = len(view) if n is None else n
+            self.crc = crc if n == len(view) else zlib.crc32(view[:n], self.crc)
         self.size += n
         return n
 
