@@ -15,9 +15,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 from ddptrain.config_sections import SECTIONS
+from ddptrain.config_values import bad as _bad
+from ddptrain.config_values import mix_weights, step_ranges
 from ddptrain.errors import ConfigError
 
 BUILTIN_DATASETS = ("breast_cancer", "digits", "diabetes", "synthetic", "chars")
@@ -27,6 +29,7 @@ BUILTIN_OPTIMIZERS = ("sgd", "adamw")
 BUILTIN_SCHEDULERS = ("cosine",)
 
 __all__ = ["SECTIONS", "ConfigError", "TrainingConfig"]
+_DEFAULT_DATASET = "breast_cancer"
 
 
 def _f(default: Any, help: str) -> Any:
@@ -43,11 +46,15 @@ class TrainingConfig:
 
     # Data and model
     dataset: str = _f(
-        "breast_cancer",
+        _DEFAULT_DATASET,
         "breast_cancer | digits | diabetes | synthetic | chars | path/to/data.npz (arrays x, "
         "y) | path/to/x.npy (y.npy beside it, memory-mapped) | package.module:fn",
     )
     dataset_args: dict[str, Any] = _kv("key=value arguments for a module:fn dataset")
+    mix: list[str] = field(default_factory=list, metadata={"metavar": "DATASET=WEIGHT", "help":
+        "train on several datasets (each as --dataset takes it) drawn by weight, e.g. "
+        "chars=0.7 mymod:code=0.3: a seeded draw per sample position, the same at any world "
+        "size; their validation sets are joined. Replaces --dataset"})
     collate: str | None = _f(
         None,
         "package.module:fn turning a list of samples into a batch (padding variable-length "
@@ -400,19 +407,11 @@ class TrainingConfig:
             _bad("synthetic_size", self.synthetic_size, "use at least 2 samples")
         if self.val_fraction is not None and not 0 < self.val_fraction < 1:
             _bad("val_fraction", self.val_fraction, "use a fraction between 0 and 1, e.g. 0.2")
-        ds = self.dataset
-        if ds.endswith(".npz") and not _is_import_ref(ds):
-            if not Path(ds).is_file():
-                _bad("dataset", ds, "no such file; give the path of an .npz with arrays x and y")
-        elif ds.endswith(".npy") and not _is_import_ref(ds):
-            if not Path(ds).stem.endswith("x"):
-                _bad("dataset", ds, "name the inputs file x.npy or NAME_x.npy (targets: y.npy)")
-            for path in (Path(ds), npy_targets(Path(ds))):
-                if not path.is_file():
-                    _bad("dataset", ds, f"no such file {str(path)!r}; put y.npy beside x.npy")
-        elif not (ds in BUILTIN_DATASETS or _is_import_ref(ds)):
-            _bad("dataset", ds, f"choose one of {', '.join(BUILTIN_DATASETS)}, a path to an "
-                 ".npz or x.npy file, or package.module:fn")
+        if self.mix and self.dataset != _DEFAULT_DATASET:
+            raise ConfigError(f"--mix and --dataset {self.dataset!r} both name the training "
+                              "data: give every dataset in --mix, and no --dataset")
+        for ds in [name for name, _ in mix_weights(self.mix)] or [self.dataset]:
+            _check_dataset(ds, "mix" if self.mix else "dataset")
         if self.collate is not None and not _is_import_ref(self.collate):
             _bad("collate", self.collate, "give package.module:fn, a function of a list of samples")
 
@@ -538,8 +537,8 @@ def _is_import_ref(value: str) -> bool:
 
 
 # The fields whose value can name code a run imports and calls (`package.module:fn`).
-CODE_FIELDS = ("dataset", "collate", "model", "task", "optimizer", "scheduler", "tp_plan",
-               "pp_split")
+CODE_FIELDS = ("dataset", "mix", "collate", "model", "task", "optimizer", "scheduler",
+               "tp_plan", "pp_split")
 # The fields a Python object can stand in for, and the `fit` argument that gives it.
 OBJECT_FIELDS = {"model": "model", "dataset": "datasets", "task": "task", "collate": "collate"}
 
@@ -547,26 +546,26 @@ OBJECT_FIELDS = {"model": "model", "dataset": "datasets", "task": "task", "colla
 def names_code(field: str, value: Any) -> bool:
     """Whether `value`, given for config field `field`, names code to import and call
     (`hf:DIR`, a model's weights and config, does not)."""
+    if field == "mix" and isinstance(value, list):
+        return any(_is_import_ref(str(entry).rpartition("=")[0]) for entry in value)
     if field not in CODE_FIELDS or not isinstance(value, str):
         return False
     return not (field == "model" and value.startswith("hf:")) and _is_import_ref(value)
 
 
-def step_ranges(values: list[Any]) -> list[tuple[int, int]]:
-    """`--skip_steps`' entries (STEP or FIRST-LAST) as (first, last), both counted."""
-    ranges = []
-    for value in values:
-        first, _, last = str(value).partition("-")
-        if not (first.isdigit() and (last or first).isdigit()) or not 1 <= int(first) <= int(
-                last or first):
-            _bad("skip_steps", value, "give optimizer steps as STEP or FIRST-LAST, e.g. "
-                 "120-135 (the first step is 1)")
-        ranges.append((int(first), int(last or first)))
-    return ranges
-
-
-def _bad(name: str, value: Any, fix: str) -> NoReturn:
-    raise ConfigError(f"--{name} {value!r} is invalid: {fix}")
+def _check_dataset(ds: str, flag: str) -> None:
+    if ds.endswith(".npz") and not _is_import_ref(ds):
+        if not Path(ds).is_file():
+            _bad(flag, ds, "no such file; give the path of an .npz with arrays x and y")
+    elif ds.endswith(".npy") and not _is_import_ref(ds):
+        if not Path(ds).stem.endswith("x"):
+            _bad(flag, ds, "name the inputs file x.npy or NAME_x.npy (targets: y.npy)")
+        for path in (Path(ds), npy_targets(Path(ds))):
+            if not path.is_file():
+                _bad(flag, ds, f"no such file {str(path)!r}; put y.npy beside x.npy")
+    elif not (ds in BUILTIN_DATASETS or _is_import_ref(ds)):
+        _bad(flag, ds, f"choose one of {', '.join(BUILTIN_DATASETS)}, a path to an "
+             ".npz or x.npy file, or package.module:fn")
 
 
 def _recompute_mode(on: bool) -> Any:

@@ -5,6 +5,7 @@
 | `sources` | built-in sets, `.npz` / `.npy` files, user factories; the seeded train/val split |
 | `bundle` | `DataBundle` (train, val, a collate) and the `DataFacts` a task and a model read |
 | `hf` | Hugging Face `datasets` (map-style and iterable) taken as they are |
+| `mix` | `--mix`: several datasets drawn by weight, position by position, as one |
 | `arrays`, `text` | in-memory and memory-mapped arrays sliced a batch at a time; the chars corpus |
 | `epoch` | the epoch plan: global micro-batches split evenly over ranks, positions |
 | `train_batches`, `iterable`, `validation` | this rank's batches: map-style, iterable, evaluation |
@@ -28,6 +29,7 @@ from ddptrain.data.bundle import DataBundle, DataFacts
 from ddptrain.data.epoch import Micro, plan_epoch, samples_dropped, steps_per_epoch
 from ddptrain.data.iterable import IterableBatches
 from ddptrain.data.loader import stop_workers
+from ddptrain.data.mix import Mixture, mix_counts
 from ddptrain.data.sources import bundle_datasets, load_data, split_indices, with_collate
 from ddptrain.data.train_batches import Batches, TrainBatches, make_train_batches
 from ddptrain.data.validation import make_val_loader, most_val_batches
@@ -40,6 +42,7 @@ __all__ = [
     "IterableBatches",
     "MemmapDataset",
     "Micro",
+    "Mixture",
     "ModelCall",
     "Output",
     "TensorBatches",
@@ -49,6 +52,7 @@ __all__ = [
     "make_train_batches",
     "make_val_loader",
     "mark_batch_dynamic",
+    "mix_counts",
     "most_val_batches",
     "num_samples",
     "parse_output",

@@ -32,6 +32,7 @@ from ddptrain.data import hf
 from ddptrain.data.arrays import ArrayDataset, MemmapDataset, as_targets
 from ddptrain.data.batch import first_tensor, split
 from ddptrain.data.bundle import DataBundle, DataFacts
+from ddptrain.data.mix import load_mixture
 from ddptrain.errors import ConfigError
 from ddptrain.plugins import call_factory, load_ref
 
@@ -338,6 +339,8 @@ def _classes(
 
 def load_data(config: TrainingConfig, num_labels: int | None = None) -> DataBundle:
     """The run's data. `num_labels`: the classes the given model says it has."""
+    if config.mix:
+        return load_mixture(config, lambda source: load_data(source, num_labels))
     builders = {
         "breast_cancer": _breast_cancer, "digits": _digits, "diabetes": _diabetes,
         "synthetic": _synthetic, "chars": _chars,

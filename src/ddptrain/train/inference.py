@@ -121,6 +121,11 @@ def newest_checkpoint(run_dir: Path, config: Mapping[str, Any] | None = None) ->
     return found[0]
 
 
+class _Unnamed(list):
+    """A list-valued code field (`--mix`) the command line leaves to the stored config:
+    empty unless the command gives the flag, whose values argparse extends it with."""
+
+
 def source_config(
     source: Source, argv: Sequence[str] = (), fields: Mapping[str, Any] | None = None,
     prog: str = "ddptrain evaluate", given: Collection[str] = (), trust_code: bool = False,
@@ -139,14 +144,17 @@ def source_config(
     own = config_file_fields(argv)
     unnamed = object()  # a code field the user's command line leaves to the stored config
     parser.set_defaults(**{**stored, **own})
-    parser.set_defaults(**{name: unnamed for name in CODE_FIELDS if name not in own})
+    parser.set_defaults(**{name: _Unnamed() if isinstance(defaults[name], list) else unnamed
+                           for name in CODE_FIELDS if name not in own})
     args = vars(parser.parse_args(list(argv)))
     args.pop("config", None)
     named = set(fields or {}) | set(given)
     for name in CODE_FIELDS:
-        if args[name] is unnamed:
+        value = args[name]
+        if value is unnamed or (isinstance(value, _Unnamed) and not value):
             args[name] = stored.get(name, defaults[name])
         else:
+            args[name] = list(value) if isinstance(value, _Unnamed) else value
             named.add(name)
     # A run fit() trained on Python objects: its config names defaults, not what ran.
     missing = [n for n in stored.get("given_in_python", []) if n not in named and n in needs]
@@ -163,7 +171,8 @@ def source_config(
     stored_code = [n for n in CODE_FIELDS if n not in named and n not in _NOT_AFTER
                    and names_code(n, args[n])]
     if stored_code and not trust_code:
-        flags = " ".join(f"--{n} {args[n]}" for n in stored_code)
+        flags = " ".join(f"--{n} {' '.join(v) if isinstance(v := args[n], list) else v}"
+                         for n in stored_code)
         raise ConfigError(
             f"the config stored with {str(source.weights)!r} names code to import and run "
             f"({flags}); ddptrain runs only code your command names: give {flags} again "

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddptrain.checkpoint.manager import discard_from, newest_before
-from ddptrain.config import TrainingConfig, step_ranges
+from ddptrain.config import TrainingConfig
+from ddptrain.config_values import step_ranges
 from ddptrain.context import DistributedContext, from_main
 from ddptrain.errors import Diverged
 from ddptrain.files import atomic_write_text
