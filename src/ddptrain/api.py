@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,16 +88,25 @@ def fit(
     task: Any = None,
     hooks: Sequence[Any] = (),
     collate: Any = None,
+    val: Mapping[str, Any] | None = None,
     **fields: Any,
 ) -> dict[str, Any]:
     """Train on this rank and return the run's summary. `fields` override `config`;
     `collate` is a function of a list of samples (or a `module:fn` ref, as `--collate`);
-    `model` a module, a function that builds one, or a name as `--model` takes it."""
+    `model` a module, a function that builds one, or a name as `--model` takes it; `val`
+    more validation sets by name (`--val`), each a Dataset or a name as `--dataset` takes
+    it."""
     if isinstance(collate, str):
         fields, collate = {**fields, "collate": collate}, None
+    named = {k: v for k, v in (val or {}).items() if isinstance(v, str)}
+    if named:
+        fields = {**fields, "val": [*fields.get("val", []), *(f"{k}={v}" for k, v in
+                                                               named.items())]}
+    more_val = {k: v for k, v in (val or {}).items() if k not in named}
     if isinstance(model, str):
         fields, model = {**fields, "model": model}, None
-    run = resolve_run(_resolve_config(config, fields), datasets, task, model, collate)
+    run = resolve_run(_resolve_config(config, fields), datasets, task, model, collate,
+                      more_val)
     # config.yaml and the checkpoints say which fields Python objects stood in for
     given = _given(model, datasets, task, collate)
     run = dataclasses.replace(run, config=dataclasses.replace(run.config, given_in_python=given))
@@ -116,18 +125,19 @@ def fit(
 
 def resolve_run(
     config: TrainingConfig, datasets: Any = None, task: Any = None, model: Any = None,
-    collate: Any = None,
+    collate: Any = None, more_val: Mapping[str, Any] | None = None,
 ) -> Resolved:
     """Everything a user can get wrong, checked before the process group starts, so a
     mistake ends the job at once instead of leaving peers waiting for a dead rank."""
     # Imported here so that `--help` and config errors answer without loading torch.
     from ddptrain.data import bundle_datasets, load_data, with_collate
+    from ddptrain.data.mix import with_val_objects, with_val_sets
     from ddptrain.launch.cluster import read_cluster_env
     from ddptrain.launch.process_group import resolve_backend, resolve_device
     from ddptrain.log import setup_logging
     from ddptrain.observe.startup import Phases
     from ddptrain.parallel import resolve_strategy
-    from ddptrain.train import resolve_precision, resolve_task
+    from ddptrain.train import ranking, resolve_precision, resolve_task
 
     startup = Phases()
     startup.mark("imports")
@@ -159,6 +169,10 @@ def resolve_run(
     else:
         made = datasets(config) if callable(datasets) else datasets
         data = bundle_datasets(made, config, num_labels)
+        if config.val:
+            data = with_val_sets(data, config, lambda other: load_data(other, num_labels))
+    if more_val:
+        data = with_val_objects(data, config, more_val)
     data = with_collate(data, config, collate)
     if config.channels_last and not data.is_image:
         raise ConfigError(
@@ -173,6 +187,7 @@ def resolve_run(
         check_model_layout(config, model_shape(config, data), tokens)
     if not hasattr(task, "loss"):  # a built-in name, or None: the config's --task
         task = resolve_task(config if task is None else _with_task(config, task), data.facts)
+    ranking(config, task)  # --best_metric names a figure the task has
     startup.mark("data")
     return Resolved(config, cluster, device, backend, precision, strategy, data, task, startup)
 

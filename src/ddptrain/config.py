@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from ddptrain.config_sections import SECTIONS
 from ddptrain.config_values import bad as _bad
-from ddptrain.config_values import mix_weights, step_ranges
+from ddptrain.config_values import mix_weights, step_ranges, val_sets
 from ddptrain.errors import ConfigError
 
 BUILTIN_DATASETS = ("breast_cancer", "digits", "diabetes", "synthetic", "chars")
@@ -55,6 +55,9 @@ class TrainingConfig:
         "train on several datasets (each as --dataset takes it) drawn by weight, e.g. "
         "chars=0.7 mymod:code=0.3: a seeded draw per sample position, the same at any world "
         "size; their validation sets are joined. Replaces --dataset"})
+    val: list[str] = field(default_factory=list, metadata={"metavar": "NAME=DATASET", "help":
+        "more validation sets, each a dataset as --dataset takes it (its validation part), "
+        "e.g. heldout=mymod:heldout: their figures are NAME/METRIC in the val rows"})
     collate: str | None = _f(
         None,
         "package.module:fn turning a list of samples into a batch (padding variable-length "
@@ -313,6 +316,11 @@ class TrainingConfig:
     early_stopping_min_delta: float = _f(
         0.0, "with --early_stopping: the least change of the metric that counts as one"
     )
+    best_metric: str | None = _f(
+        None, "the validation figure that chooses the best epoch and drives --early_stopping: "
+        "METRIC (the --dataset's set) or NAME/METRIC (a --val set); the task's metric or "
+        "loss (default: the task's metric on the --dataset's set)",
+    )
     spike_factor: float = _f(
         5.0, "warn of a loss spike: a train row's loss above this many times the median of "
         "the rows before it, for --spike_rows rows running (0: off)",
@@ -412,6 +420,13 @@ class TrainingConfig:
                               "data: give every dataset in --mix, and no --dataset")
         for ds in [name for name, _ in mix_weights(self.mix)] or [self.dataset]:
             _check_dataset(ds, "mix" if self.mix else "dataset")
+        sets = dict(val_sets(self.val))
+        for ds in sets.values():
+            _check_dataset(ds, "val")
+        where, _, metric = (self.best_metric or "").rpartition("/")
+        if self.best_metric is not None and (not metric or (where and where not in sets)):
+            _bad("best_metric", self.best_metric, "give METRIC, or NAME/METRIC with NAME one "
+                 f"of --val's sets ({', '.join(sets) or 'none given'})")
         if self.collate is not None and not _is_import_ref(self.collate):
             _bad("collate", self.collate, "give package.module:fn, a function of a list of samples")
 
@@ -537,7 +552,7 @@ def _is_import_ref(value: str) -> bool:
 
 
 # The fields whose value can name code a run imports and calls (`package.module:fn`).
-CODE_FIELDS = ("dataset", "mix", "collate", "model", "task", "optimizer", "scheduler",
+CODE_FIELDS = ("dataset", "mix", "val", "collate", "model", "task", "optimizer", "scheduler",
                "tp_plan", "pp_split")
 # The fields a Python object can stand in for, and the `fit` argument that gives it.
 OBJECT_FIELDS = {"model": "model", "dataset": "datasets", "task": "task", "collate": "collate"}
@@ -546,8 +561,9 @@ OBJECT_FIELDS = {"model": "model", "dataset": "datasets", "task": "task", "colla
 def names_code(field: str, value: Any) -> bool:
     """Whether `value`, given for config field `field`, names code to import and call
     (`hf:DIR`, a model's weights and config, does not)."""
-    if field == "mix" and isinstance(value, list):
-        return any(_is_import_ref(str(entry).rpartition("=")[0]) for entry in value)
+    if field in ("mix", "val") and isinstance(value, list):  # DATASET=WEIGHT, NAME=DATASET
+        return any(_is_import_ref(str(entry).rpartition("=")[0 if field == "mix" else 2])
+                   for entry in value)
     if field not in CODE_FIELDS or not isinstance(value, str):
         return False
     return not (field == "model" and value.startswith("hf:")) and _is_import_ref(value)

@@ -8,7 +8,7 @@ from __future__ import annotations
 # internal ones is in exactly one (tests/test_config.py).
 SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "data": ("what the model reads and how it is batched", (
-        "dataset", "dataset_args", "mix", "collate", "block_size", "val_fraction",
+        "dataset", "dataset_args", "mix", "val", "collate", "block_size", "val_fraction",
         "synthetic_size",
         "batch_size", "num_workers", "drop_last",
     )),
@@ -44,8 +44,8 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
         "straggler_factor", "memory_snapshot",
     )),
     "steer": ("stopping early, loss spikes and averaging the weights", (
-        "early_stopping", "early_stopping_min_delta", "spike_factor", "spike_rows", "on_spike",
-        "max_rollbacks", "skip_steps", "ema_decay",
+        "early_stopping", "early_stopping_min_delta", "best_metric", "spike_factor",
+        "spike_rows", "on_spike", "max_rollbacks", "skip_steps", "ema_decay",
     )),
     "runtime": ("processes, devices and the run itself", (
         "device", "backend", "timeout_s", "seed", "dry_run", "run_id",

@@ -1,10 +1,11 @@
-"""Settings given as lists of small values (`--mix`, `--skip_steps`), read one way for
-`TrainingConfig.validate` and for the code that uses them, and the one form of a refused
-value."""
+"""Settings given as lists of small values (`--mix`, `--val`, `--skip_steps`), read one
+way for `TrainingConfig.validate` and for the code that uses them, and the one form of a
+refused value."""
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, NoReturn
 
 from ddptrain.errors import ConfigError
@@ -43,3 +44,20 @@ def step_ranges(values: list[Any]) -> list[tuple[int, int]]:
                 "120-135 (the first step is 1)")
         ranges.append((int(first), int(last or first)))
     return ranges
+
+
+_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def val_sets(entries: list[str]) -> list[tuple[str, str]]:
+    """`--val`' NAME=DATASET entries as (name, dataset), each name once."""
+    parsed: list[tuple[str, str]] = []
+    for entry in entries:
+        name, sep, dataset = str(entry).partition("=")
+        if not sep or not dataset or not _SET_NAME.fullmatch(name):
+            bad("val", entry, "give NAME=DATASET, a name of letters, digits, '_', '.' or "
+                "'-', e.g. --val heldout=mymod:heldout bench=bench.npz")
+        if name in (n for n, _ in parsed):
+            bad("val", entry, f"it names the set {name!r} twice: give each name once")
+        parsed.append((name, dataset))
+    return parsed

@@ -119,8 +119,9 @@ def refuse_incompatible(
             f"{saved['optimizer']}, or start a new run (another --output_dir)"
         )
     # another schedule's state; other parameters', other adapters'; other samples at the
-    # epoch's positions
-    for flag in ("scheduler", "freeze", "lora_rank", "lora_alpha", "lora_targets", "mix"):
+    # epoch's positions; the best so far judged by another figure
+    for flag in ("scheduler", "freeze", "lora_rank", "lora_alpha", "lora_targets", "mix",
+                 "best_metric"):
         if flag in saved and saved[flag] != current[flag]:
             was, now = (" ".join(v) if isinstance(v, list) else v
                         for v in (saved[flag], current[flag]))

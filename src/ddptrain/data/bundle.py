@@ -5,7 +5,7 @@ read from them (input shape, target shape and kind, classes, vocabulary).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.utils.data import (
@@ -20,6 +20,7 @@ class DataBundle:
     val: Dataset
     facts: DataFacts
     collate: Callable[[list[Any]], Any] | None = None  # the user's collate (--collate)
+    more_val: dict[str, Dataset] = field(default_factory=dict)  # --val NAME=DATASET
 
     @property
     def num_classes(self) -> int | None:

@@ -1,6 +1,8 @@
-"""`--mix DATASET=WEIGHT ...`: one training set drawn from several, by weight.
+"""Several datasets in one run: `--mix DATASET=WEIGHT ...`, one training set drawn from
+several by weight, and `--val NAME=DATASET ...`, more validation sets beside the run's own.
 
     ddptrain train --mix chars=0.7 mymod:code=0.2 mymod:math=0.1 --model gpt
+    ddptrain train --dataset digits --val noisy=mymod:noisy_digits --best_metric noisy/loss
 
 Each source is a dataset as `--dataset` takes it (built-in, a file, `package.module:fn`,
 map-style). An epoch holds as many samples as the sources together (their training
@@ -17,20 +19,25 @@ every source's, one after another.
 
 The sources must agree on what a sample is (input and target shapes, classes, vocabulary):
 a mixture of another tokenizer's ids, or of images and token windows, is one line.
+
+Each `--val` set is a dataset's validation part (as `--dataset` would split it), alike to
+the training data; every rank evaluates its share of each, every sample once, and the
+val rows carry its figures as NAME/METRIC (`val/NAME/METRIC` in the trackers);
+`--best_metric NAME/METRIC` lets one of them choose the best epoch and early stopping.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 from torch.utils.data import ConcatDataset, Dataset, IterableDataset
 
 from ddptrain.config import TrainingConfig
-from ddptrain.config_values import mix_weights
+from ddptrain.config_values import mix_weights, val_sets
 from ddptrain.data.bundle import DataBundle
 from ddptrain.errors import ConfigError
 
@@ -92,15 +99,7 @@ def _mixed(bundles: list[DataBundle], names: list[str], weights: list[float],
                 f"--mix {name}: it is an IterableDataset; --mix takes map-style datasets "
                 "(with a length), whose positions can be drawn"
             )
-        for fact in ("input_shape", "target_shape", "target_is_float", "num_classes",
-                     "vocab_size", "dict_batches"):
-            mine, theirs = getattr(bundle.facts, fact), getattr(first.facts, fact)
-            if mine != theirs:
-                raise ConfigError(
-                    f"--mix: {names[0]} and {name} disagree on {fact} ({theirs} vs {mine}): "
-                    "mix datasets whose samples are alike (one tokenizer, one input shape, "
-                    "one set of classes)"
-                )
+        _refuse_unlike(first, bundle, f"--mix: {names[0]} and {name}")
     mixture = Mixture([b.train for b in bundles], names, weights, seed,
                       first.facts.vocab_size)
     share = ", ".join(
@@ -110,6 +109,49 @@ def _mixed(bundles: list[DataBundle], names: list[str], weights: list[float],
     log.info("--mix: an epoch of %s samples draws %s", f"{len(mixture):,}", share)
     val = ConcatDataset([b.val for b in bundles]) if len(bundles) > 1 else first.val
     return DataBundle(mixture, val, first.facts)
+
+
+def _refuse_unlike(first: DataBundle, other: DataBundle, which: str) -> None:
+    """A `ConfigError` when two datasets' samples are not alike (`which`: who they are)."""
+    for fact in ("input_shape", "target_shape", "target_is_float", "num_classes",
+                 "vocab_size", "dict_batches"):
+        mine, theirs = getattr(other.facts, fact), getattr(first.facts, fact)
+        if mine != theirs:
+            raise ConfigError(
+                f"{which} disagree on {fact} ({theirs} vs {mine}): give datasets whose "
+                "samples are alike (one tokenizer, one input shape, one set of classes)"
+            )
+
+
+def with_val_sets(
+    bundle: DataBundle, config: TrainingConfig, load: Callable[[TrainingConfig], DataBundle]
+) -> DataBundle:
+    """`--val NAME=DATASET ...`: the bundle with each dataset's validation part beside its
+    own, each loaded by `load` as `--dataset` would be and checked alike."""
+    more: dict[str, Dataset] = {}
+    for name, dataset in val_sets(config.val):
+        other = load(dataclasses.replace(config, dataset=dataset, mix=[], val=[]))
+        _refuse_unlike(bundle, other, f"--val {name}={dataset} and the training data")
+        more[name] = other.val
+    return dataclasses.replace(bundle, more_val=more)
+
+
+def with_val_objects(
+    bundle: DataBundle, config: TrainingConfig, sets: Mapping[str, Any]
+) -> DataBundle:
+    """`ddptrain.fit(..., val={NAME: dataset})`: the bundle with those datasets (taken
+    whole) beside its own validation sets, each checked alike from its first sample."""
+    from ddptrain.data.sources import bundle_datasets
+
+    more = dict(bundle.more_val)
+    for name, dataset in sets.items():
+        if name in more:
+            raise ConfigError(f"validation set {name!r} is given twice (--val and val=): "
+                              "give each name once")
+        _refuse_unlike(bundle, bundle_datasets((dataset, dataset), config),
+                       f"validation set {name!r} and the training data")
+        more[name] = dataset
+    return dataclasses.replace(bundle, more_val=more)
 
 
 def mix_counts(dataset: Any) -> dict[str, int] | None:

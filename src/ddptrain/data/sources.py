@@ -32,7 +32,7 @@ from ddptrain.data import hf
 from ddptrain.data.arrays import ArrayDataset, MemmapDataset, as_targets
 from ddptrain.data.batch import first_tensor, split
 from ddptrain.data.bundle import DataBundle, DataFacts
-from ddptrain.data.mix import load_mixture
+from ddptrain.data.mix import load_mixture, with_val_sets
 from ddptrain.errors import ConfigError
 from ddptrain.plugins import call_factory, load_ref
 
@@ -339,6 +339,9 @@ def _classes(
 
 def load_data(config: TrainingConfig, num_labels: int | None = None) -> DataBundle:
     """The run's data. `num_labels`: the classes the given model says it has."""
+    if config.val:
+        return with_val_sets(load_data(dataclasses.replace(config, val=[]), num_labels),
+                             config, lambda other: load_data(other, num_labels))
     if config.mix:
         return load_mixture(config, lambda source: load_data(source, num_labels))
     builders = {

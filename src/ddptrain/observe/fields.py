@@ -21,11 +21,16 @@ NOT_METRICS = {
 }
 
 
+def is_bookkeeping(name: str) -> bool:
+    """Whether a row's field is bookkeeping (`samples`, also a `--val` set's `NAME/samples`)."""
+    return name.rpartition("/")[2] in NOT_METRICS
+
+
 def metric_text(row: dict[str, Any], prefix: str = "") -> str:
     """'loss 0.1234 accuracy 0.9500' from the task's figures in a row."""
     names = [
         k for k in row
-        if k.startswith(prefix) and k[len(prefix):] not in NOT_METRICS
+        if k.startswith(prefix) and not is_bookkeeping(k[len(prefix):])
         and (prefix or not k.startswith("train_"))
     ]
     return " ".join(f"{k[len(prefix):]} {row[k]:.4f}" for k in names)

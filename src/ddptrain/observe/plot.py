@@ -36,12 +36,13 @@ PANELS: tuple[tuple[str, str, bool], ...] = (
 def task_metric(rows: list[dict[str, Any]]) -> str | None:
     """The first figure of the task in a run's validation rows that is not the loss
     itself (regression's mse is)."""
-    from ddptrain.observe.fields import NOT_METRICS
+    from ddptrain.observe.fields import is_bookkeeping
 
     for row in rows:
         if row.get("split") == "val":
             for name, value in row.items():
-                if (name not in NOT_METRICS and not name.startswith("train_")
+                if (not is_bookkeeping(name) and not name.startswith("train_")
+                        and "/" not in name  # a --val set's figure
                         and isinstance(value, (int, float)) and value != row.get("loss")):
                     return name
     return None

@@ -10,7 +10,7 @@ from ddptrain.train.metrics import MetricSums
 from ddptrain.train.optim import build_scheduler, peak_lr
 from ddptrain.train.plan import RunPlan, format_plan, make_plan
 from ddptrain.train.precision import Precision, resolve_precision
-from ddptrain.train.tasks import Task, head_size, resolve_task
+from ddptrain.train.tasks import Task, head_size, ranking, resolve_task
 from ddptrain.train.trainer import Trainer
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "head_size",
     "make_plan",
     "peak_lr",
+    "ranking",
     "resolve_precision",
     "resolve_task",
 ]

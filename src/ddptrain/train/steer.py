@@ -124,7 +124,8 @@ class Steering:
 
 
 class EarlyStopping(Hook):
-    """`--early_stopping N`: finish the run once the task's best metric has not improved
+    """`--early_stopping N`: finish the run once the best metric (the task's, or
+    `--best_metric`) has not improved
     by more than `min_delta` for `patience` validations in a row. Its decision is taken
     from the global validation row, the same on every rank; the trainer still agrees on
     it, so no rank ever stops alone."""
@@ -145,7 +146,7 @@ class EarlyStopping(Hook):
     def on_row(self, trainer: Trainer, row: dict[str, Any]) -> None:
         if row["split"] != "val":
             return
-        name, mode = trainer.task.best, trainer.task.mode
+        name, mode = trainer.best_key, trainer.best_mode  # --best_metric
         score = row.get(name, float("nan"))
         if self.best is None or _improves(score, self.best, mode, self.min_delta):
             self.best, self.best_epoch, self.waited = score, row["epoch"], 0

@@ -286,6 +286,22 @@ def head_size(task: Any, facts: DataFacts) -> int | None:
     return None
 
 
+def ranking(config: Any, task: Task) -> tuple[str, str]:
+    """The val row's figure that chooses the best epoch (`--best_metric`: METRIC or
+    NAME/METRIC of a `--val` set; default the task's own), and its direction."""
+    if not config.best_metric:
+        return task.best, task.mode
+    metric = config.best_metric.rpartition("/")[2]
+    if metric == task.best:
+        return config.best_metric, task.mode
+    if metric == "loss":
+        return config.best_metric, "min"
+    raise ConfigError(
+        f"--best_metric {config.best_metric!r} is invalid: --task {task.name} ranks epochs "
+        f"by {task.best} (best at its {task.mode}) or by loss; give one of them"
+    )
+
+
 def resolve_task(config: Any, facts: DataFacts) -> Task:
     """The task `--task` names, or the one the targets imply (`auto`)."""
     from ddptrain.plugins import call_factory

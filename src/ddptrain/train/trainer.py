@@ -81,7 +81,7 @@ from ddptrain.train.rollback import SkippedSteps, roll_back
 from ddptrain.train.steer import SpikeRollback, SteeredStop, Steering, steering_hooks
 from ddptrain.train.stepping import Verdicts, optimizer_step, skipped_step
 from ddptrain.train.stop import StopRequest
-from ddptrain.train.tasks import Scorer, head_size
+from ddptrain.train.tasks import Scorer, head_size, ranking
 
 log = logging.getLogger("ddptrain")
 # Train rows are all-reduced in batches: one collective about every SYNC_EVERY_S seconds
@@ -168,11 +168,14 @@ class Trainer:
             sum(p.numel() for p in self.module.parameters()), optimizer_slots(config)
         )
         self.checkpoints = Checkpointer(config, ctx, self.strategy, kind)
-        self.evaluator = Evaluator(
-            self.module, self.call, self.scorer, self.precision, self.strategy, ctx,
-            self.val_loader, self.memory_format,
-            most_val_batches(self.data.val, config.batch_size, ctx),
-        )
+        self.evaluators = {  # the run's own validation set (""), then --val's
+            name: Evaluator(
+                self.module, self.call, self.scorer, self.precision, self.strategy, ctx,
+                loader, self.memory_format,
+                most_val_batches(self.val_sets[name], config.batch_size, ctx),
+            ) for name, loader in self.val_loaders.items()
+        }
+        self.best_key, self.best_mode = ranking(config, self.task)  # --best_metric
         self.skips = SkippedSteps(config, ctx)  # --skip_steps, and the run's rollbacks
         self.resumed_from = restore(self)
         if config.init_from is not None:
@@ -219,7 +222,11 @@ class Trainer:
     def _setup_data(self) -> None:
         cfg, ctx = self.config, self.ctx
         collate = self.data.collate
-        self.val_loader = make_val_loader(self.data.val, cfg, ctx, collate)
+        self.val_sets = {"": self.data.val, **self.data.more_val}
+        self.val_loaders = {
+            name: make_val_loader(dataset, cfg, ctx, collate)
+            for name, dataset in self.val_sets.items()
+        }
         self.train_batches = make_train_batches(self.data.train, cfg, ctx, collate)
         self.steps_per_epoch = self.train_batches.steps_per_epoch
         # An iterable dataset without a length has no planned end: a constant LR.
@@ -289,7 +296,7 @@ class Trainer:
                              self.progress.step, self.steer.agreed, summary["best_epoch"])
             self.hooks.on_fit_end(self, summary)
         except BaseException:
-            stop_workers(getattr(self.train_batches, "loader", None), self.val_loader)
+            stop_workers(getattr(self.train_batches, "loader", None), *self.val_loaders.values())
             raise
         finally:
             self.hooks.close()
@@ -330,8 +337,8 @@ class Trainer:
                 val.update({f"ema_{k}": v for k, v in self.evaluate().items() if k != "samples"})
         history["samples"] += train["samples"]
         history["train_time_s"] += time.perf_counter() - t0
-        score = val.get(self.task.best, float("nan"))
-        improved = history["best"] is None or improves(score, history["best"], self.task.mode)
+        score = val.get(self.best_key, float("nan"))
+        improved = history["best"] is None or improves(score, history["best"], self.best_mode)
         if improved:
             history["best"], history["best_epoch"] = score, epoch
         self.progress.epoch, self.progress.samples_in_epoch = epoch, 0
@@ -358,7 +365,7 @@ class Trainer:
             "epochs": self.config.epochs,
             "steps": self.progress.step, "world_size": self.ctx.world_size, "task": task.name,
             **{f"val_{k}": v for k, v in val.items() if k != "samples"},
-            "best_metric": task.best, f"best_val_{task.best}": h["best"],
+            "best_metric": self.best_key, f"best_val_{self.best_key}": h["best"],
             "best_epoch": h["best_epoch"], "train_time_s": h["train_time_s"],
             "samples": h["samples"],
             "samples_per_sec": h["samples"] / h["train_time_s"] if h["train_time_s"] else 0.0,
@@ -566,8 +573,13 @@ class Trainer:
         return meter
 
     def evaluate(self) -> dict[str, float]:
-        """The task's figures over every validation sample exactly once (collective)."""
-        return self.evaluator.run(self.last_inputs)
+        """The task's figures over every validation sample exactly once (collective): the
+        run's own set's as they are, each `--val` set's as NAME/METRIC."""
+        figures: dict[str, float] = {}
+        for name, evaluator in self.evaluators.items():
+            got = evaluator.run(self.last_inputs)
+            figures.update({f"{name}/{k}" if name else k: v for k, v in got.items()})
+        return figures
 
     def save(self, meter: dict[str, Any] | None = None, best: bool = False) -> None:
         """Checkpoint the run where it stands (collective)."""
