@@ -81,7 +81,10 @@ class TrainingConfig:
     width: int = _f(
         64, "MiniResNet stem channels (stages use 1x, 2x, 4x) / MLP hidden units / GPT width"
     )
-    block_size: int = _f(64, "tokens per sample of the chars dataset (the GPT context)")
+    block_size: int = _f(64, "tokens per sample of the chars dataset (the GPT context), "
+                         "and of each window --pack fills")
+    pack: bool = _f(False, "pack the dataset's token documents end to end into --block_size "
+                    "windows, each document attending and positioned on its own")
     sync_bn: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm")
     val_fraction: float | None = _f(
         None,
@@ -420,6 +423,9 @@ class TrainingConfig:
                               "data: give every dataset in --mix, and no --dataset")
         for ds in [name for name, _ in mix_weights(self.mix)] or [self.dataset]:
             _check_dataset(ds, "mix" if self.mix else "dataset")
+        if self.pack and self.pp > 1:
+            raise ConfigError("--pack keeps documents apart with a mask the pipeline's stages "
+                              "do not pass on: drop --pack, or train without --pp")
         sets = dict(val_sets(self.val))
         for ds in sets.values():
             _check_dataset(ds, "val")

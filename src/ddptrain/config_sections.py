@@ -8,7 +8,8 @@ from __future__ import annotations
 # internal ones is in exactly one (tests/test_config.py).
 SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "data": ("what the model reads and how it is batched", (
-        "dataset", "dataset_args", "mix", "val", "collate", "block_size", "val_fraction",
+        "dataset", "dataset_args", "mix", "val", "collate", "block_size", "pack",
+        "val_fraction",
         "synthetic_size",
         "batch_size", "num_workers", "drop_last",
     )),

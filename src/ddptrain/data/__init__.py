@@ -5,7 +5,8 @@
 | `sources` | built-in sets, `.npz` / `.npy` files, user factories; the seeded train/val split |
 | `bundle` | `DataBundle` (train, val, a collate) and the `DataFacts` a task and a model read |
 | `hf` | Hugging Face `datasets` (map-style and iterable) taken as they are |
-| `mix` | `--mix`: several datasets drawn by weight, position by position, as one |
+| `mix` | `--mix`: several datasets drawn by weight, position by position, as one; `--val`'s sets |
+| `pack` | `--pack`: token documents end to end in windows, each positioned and masked alone |
 | `arrays`, `text` | in-memory and memory-mapped arrays sliced a batch at a time; the chars corpus |
 | `epoch` | the epoch plan: global micro-batches split evenly over ranks, positions |
 | `train_batches`, `iterable`, `validation` | this rank's batches: map-style, iterable, evaluation |

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddptrain.data.pack import document_mask
 from ddptrain.errors import ConfigError
 
 
@@ -112,17 +113,25 @@ class Output:
 class ModelCall:
     """Calls a module with a batch's inputs the way its `forward` wants them."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, packed: bool = False) -> None:
+        """`packed` (`--pack`): a model that takes an `attention_mask` (a Hugging Face
+        one, whose attention does not read documents from `position_ids`, as its flash
+        attention does) gets the windows' block-diagonal causal mask as it."""
         try:
             params = inspect.signature(module.forward).parameters
         except (TypeError, ValueError):
             params = {}  # type: ignore[assignment]
         self.takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         self.names = set(params)
+        attention = str(getattr(getattr(module, "config", None), "_attn_implementation", ""))
+        self.mask_packed = packed and "attention_mask" in self.names and (
+            not attention.startswith("flash"))
 
     def __call__(self, model: nn.Module, inputs: Any) -> Output:
         if isinstance(inputs, Mapping):
             kwargs = {k: v for k, v in inputs.items() if self.takes_any or k in self.names}
+            if self.mask_packed and "position_ids" in kwargs:
+                kwargs.setdefault("attention_mask", document_mask(kwargs["position_ids"]))
             out = model(**kwargs)
         else:
             out = model(inputs)

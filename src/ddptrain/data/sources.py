@@ -27,12 +27,13 @@ from torch.utils.data import (
     Subset,
 )
 
-from ddptrain.config import TrainingConfig, npy_targets
+from ddptrain.config import TrainingConfig, names_code, npy_targets
 from ddptrain.data import hf
 from ddptrain.data.arrays import ArrayDataset, MemmapDataset, as_targets
 from ddptrain.data.batch import first_tensor, split
 from ddptrain.data.bundle import DataBundle, DataFacts
 from ddptrain.data.mix import load_mixture, with_val_sets
+from ddptrain.data.pack import pack_bundle
 from ddptrain.errors import ConfigError
 from ddptrain.plugins import call_factory, load_ref
 
@@ -258,6 +259,8 @@ def bundle_datasets(made: Any, config: TrainingConfig, num_labels: int | None = 
             "(train_dataset, val_dataset), {'train': ..., 'val': ...} or one map-style "
             "Dataset"
         )
+    if config.pack:  # documents, not samples: packed into the samples
+        return pack_bundle(train, val, config.block_size, config.dataset)
     return DataBundle(train, val, _probe(train, config, num_labels))
 
 
@@ -348,6 +351,12 @@ def load_data(config: TrainingConfig, num_labels: int | None = None) -> DataBund
         "breast_cancer": _breast_cancer, "digits": _digits, "diabetes": _diabetes,
         "synthetic": _synthetic, "chars": _chars,
     }
+    if config.pack and not names_code("dataset", config.dataset):
+        raise ConfigError(
+            f"--pack packs token documents, and --dataset {config.dataset!r} gives fixed "
+            "samples: give a package.module:fn dataset of documents (1-D token ids, or dicts "
+            "with input_ids)"
+        )
     if config.dataset in builders:
         return builders[config.dataset](config)
     if config.dataset.endswith(".npz"):

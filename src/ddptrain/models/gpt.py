@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ddptrain.data.pack import document_mask
+
 DEFAULT_N_LAYER = 2
 DEFAULT_N_HEAD = 4
 
@@ -65,7 +67,9 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.register_load_state_dict_pre_hook(self._from_fused_rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: (B, 1, T, T) bool, where each position may attend (causal within each
+        packed document: `data.pack.document_mask`); None: causal over the whole window."""
         b, t, _ = x.shape
         qkv = self.qkv(x)
         heads = qkv.size(-1) // (3 * self.head_dim)
@@ -73,7 +77,8 @@ class CausalSelfAttention(nn.Module):
         # scaled_dot_product_attention takes.
         q, k, v = (z.transpose(1, 2) for z in qkv.view(b, t, heads, 3, self.head_dim).unbind(3))
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask is None,
         )
         y = y.transpose(1, 2).contiguous().view(b, t, heads * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
@@ -113,8 +118,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -154,7 +159,12 @@ class GPT(nn.Module):
         # named_parameters() already yields a shared tensor once.
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`position_ids` (B, T): packed documents (`--pack`), each counted from 0 and
+        attending only within itself; None: one sequence per row."""
+        idx = input_ids
         if idx.dim() != 2:
             raise ValueError(f"GPT expects token ids of shape (B, T), got {tuple(idx.shape)}")
         t = idx.size(1)
@@ -163,10 +173,11 @@ class GPT(nn.Module):
                 f"sequence length {t} exceeds the model's block_size "
                 f"{self.config.block_size}: shorten the input or build a larger model"
             )
-        pos = torch.arange(t, device=idx.device)
+        mask = None if position_ids is None else document_mask(position_ids)
+        pos = torch.arange(t, device=idx.device) if position_ids is None else position_ids
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.lm_head(self.ln_f(x))
 
 

@@ -228,8 +228,8 @@ def evaluate_set(
     loader = make_val_loader(dataset, config, ctx, collate)
     memory_format = torch.channels_last if config.channels_last else None
     evaluator = Evaluator(
-        module, ModelCall(module), Scorer(task, ctx.device), precision, Strategy(ctx, config),
-        ctx, loader, memory_format,
+        module, ModelCall(module, packed=config.pack), Scorer(task, ctx.device), precision,
+        Strategy(ctx, config), ctx, loader, memory_format,
     )
     figures = evaluator.run(None)
     module.eval()

@@ -73,7 +73,7 @@ def predict_set(
         raise ConfigError(f"--dataset {config.dataset!r} holds no samples to predict")
     loader = read(make_val_loader(dataset, config, ctx, collate))
     memory_format = torch.channels_last if config.channels_last else None
-    call = ModelCall(module)
+    call = ModelCall(module, packed=config.pack)
     module.eval()
     # Rank 0's shard is the longest (ceil(n / N) samples): every rank runs its rounds.
     rounds = math.ceil(math.ceil(n / ctx.world_size) / config.batch_size)

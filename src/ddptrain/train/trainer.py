@@ -114,7 +114,7 @@ class Trainer:
         self.strategy = self.choice.build(ctx, config, self.precision.dtype)
         self.lora: LoraSpec | None = None  # --lora_rank: the adapters (set as it is built)
         self.module = self._build_module(module)
-        self.call = ModelCall(self.module)
+        self.call = ModelCall(self.module, packed=config.pack)
         self.scorer = Scorer(self.task, device)
         self._setup_data()
         # FLOPs are counted on a meta-device shadow (no data) taken before the module is

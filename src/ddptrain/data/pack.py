@@ -1,0 +1,143 @@
+"""`--pack`: token documents of any length packed into `--block_size` windows, documents
+kept apart, no compute spent on padding.
+
+    ddptrain train --dataset mymod:documents --pack --block_size 256 --model gpt
+
+A dataset for `--pack` yields documents: a 1-D sequence of token ids (a tensor, an array,
+a list) or a dict with `input_ids` (a Hugging Face dataset's rows), map-style. The
+documents, in the dataset's order, are laid end to end and cut into windows of
+`--block_size` tokens (the last one padded); a window is a dict in the Hugging Face
+convention: `input_ids`, `labels` (the same ids; the lm task predicts label t + 1 from
+position t) and `position_ids`, which count from 0 at the start of each document's piece
+in the window. The label of each piece's first token is -100, so no token is predicted
+across a boundary, and `document_mask` turns the positions into the block-diagonal causal
+mask that keeps each piece's attention inside it: the built-in GPT builds it from
+`position_ids`, a Hugging Face model gets it as its 4-D `attention_mask` (`ModelCall`).
+A document that fits a window is then scored exactly as if it ran alone; a longer one is
+cut, each piece a document of its own. Windows are samples like any other: how they fall
+on ranks, every window once, a mid-epoch resume are the epoch plan's. The run logs how
+much of the windows is trained against padding each document to a window.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from ddptrain.data.bundle import DataBundle, DataFacts
+from ddptrain.errors import ConfigError
+
+log = logging.getLogger("ddptrain")
+
+IGNORE = -100  # the label of a token nothing predicts
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool: position i may attend to j when j <= i and both lie in one
+    document piece (a piece starts where `position_ids` is 0)."""
+    piece = torch.cumsum(position_ids == 0, dim=1)
+    t = position_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    return ((piece[:, :, None] == piece[:, None, :]) & causal)[:, None]
+
+
+def _tokens(document: Any, where: str) -> torch.Tensor:
+    ids = document.get("input_ids") if isinstance(document, Mapping) else document
+    try:
+        tensor = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError):
+        tensor = None
+    if tensor is None or tensor.ndim != 1 or tensor.is_floating_point() or tensor.is_complex():
+        what = (f"a {type(document).__name__}" if tensor is None
+                else f"{tuple(tensor.shape)} {tensor.dtype}")
+        raise ConfigError(
+            f"--pack packs token documents, and {where} gives {what}: give documents as "
+            "1-D sequences of token ids, or dicts with input_ids"
+        )
+    return tensor.long()
+
+
+class Packed(Dataset):
+    """`documents` laid end to end and cut into windows of `block_size` tokens (see the
+    module's text). Each document's length is read once, when the windows are planned."""
+
+    def __init__(self, documents: Dataset, block_size: int, where: str,
+                 vocab_size: int | None = None) -> None:
+        if isinstance(documents, IterableDataset):
+            raise ConfigError(
+                f"--pack: {where} is an IterableDataset; --pack plans its windows over "
+                "map-style documents (with a length)"
+            )
+        self.documents, self.block_size, self.vocab_size = documents, block_size, vocab_size
+        count = len(documents)  # type: ignore[arg-type]
+        lengths = [len(_tokens(documents[i], where)) for i in range(count)]
+        self.starts = [0, *np.cumsum(lengths, dtype=np.int64).tolist()]
+        self.documents_count = count
+        self.tokens = self.starts[-1]
+        if not self.tokens:
+            raise ConfigError(f"--pack: {where} holds no tokens")
+        # each document trains all its tokens but the first; padding each to a window
+        # would spend a window (or more) on each
+        self.trained = sum(n - 1 for n in lengths if n)
+        self.padded = sum(-(-n // block_size) for n in lengths if n) * block_size
+
+    def __len__(self) -> int:
+        return -(-self.tokens // self.block_size)
+
+    def __getitem__(self, w: int) -> dict[str, torch.Tensor]:
+        lo = w * self.block_size
+        hi = min(lo + self.block_size, self.tokens)
+        ids, positions = [], []
+        d = bisect.bisect_right(self.starts, lo) - 1
+        while d < self.documents_count and self.starts[d] < hi:
+            a, b = max(lo, self.starts[d]), min(hi, self.starts[d + 1])
+            if b > a:
+                doc = _tokens(self.documents[d], "the dataset")
+                ids.append(doc[a - self.starts[d]:b - self.starts[d]])
+                positions.append(torch.arange(b - a))
+            d += 1
+        pad = self.block_size - (hi - lo)
+        if pad:  # the last window: a piece of its own that nothing is trained on
+            ids.append(torch.zeros(pad, dtype=torch.long))
+            positions.append(torch.arange(pad))
+        input_ids, position_ids = torch.cat(ids), torch.cat(positions)
+        labels = input_ids.clone()
+        labels[position_ids == 0] = IGNORE
+        if pad:
+            labels[-pad:] = IGNORE
+        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+    @property
+    def efficiency(self) -> float:
+        """Trained tokens over window positions."""
+        return self.trained / (len(self) * self.block_size)
+
+
+def pack_bundle(train: Dataset, val: Dataset, block_size: int, name: str) -> DataBundle:
+    """A dataset's documents (`train`, `val`) packed into windows, alike."""
+    vocab = _vocab_size(train)
+    packed = Packed(train, block_size, f"--dataset {name!r}", vocab)
+    log.info(
+        "--pack: %s documents (%s tokens) in %s windows of %d: %.1f%% of window positions "
+        "trained (padding each document to windows of %d: %.1f%%)",
+        f"{packed.documents_count:,}", f"{packed.tokens:,}", f"{len(packed):,}", block_size,
+        100 * packed.efficiency, block_size, 100 * packed.trained / max(packed.padded, 1),
+    )
+    facts = DataFacts((block_size,), (block_size,), False, None, vocab, True)
+    return DataBundle(
+        packed, Packed(val, block_size, f"--dataset {name!r} (validation)", vocab), facts
+    )
+
+
+def _vocab_size(dataset: Any) -> int | None:
+    while dataset is not None:  # through Subset and friends
+        if getattr(dataset, "vocab_size", None) is not None:
+            return int(dataset.vocab_size)
+        dataset = getattr(dataset, "dataset", None)
+    return None

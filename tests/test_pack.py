@@ -1,0 +1,140 @@
+"""`--pack`: token documents packed end to end into windows, each document positioned and
+attending on its own, no token predicted across a boundary. A document scored in a
+packed window has the loss and the gradients it has alone (the built-in GPT, and a
+Hugging Face Llama through its 4-D attention mask); windows are samples like any other,
+so two ranks equal one. Bad input is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import run_torchrun
+from packplug import VOCAB, Documents
+
+from ddptrain.cli import main
+from ddptrain.data.batch import ModelCall
+from ddptrain.data.pack import IGNORE, Packed
+from ddptrain.models.gpt import build_gpt
+
+
+def test_windows_hold_every_token_in_order_with_positions_and_labels_per_document() -> None:
+    docs = Documents([5, 3, 11, 1, 4], seed=0)
+    packed = Packed(docs, 8, "docs")
+    windows = [packed[w] for w in range(len(packed))]
+    assert len(packed) == 3  # 24 tokens in windows of 8
+    stream = torch.cat([w["input_ids"] for w in windows])
+    assert torch.equal(stream, torch.cat(docs.docs))
+    # pieces: [5, 3] | [8 of 11] | [3 of 11, 1, 4]
+    expected_pos = torch.cat([torch.arange(5), torch.arange(3), torch.arange(8),
+                              torch.arange(3), torch.arange(1), torch.arange(4)])
+    positions = torch.cat([w["position_ids"] for w in windows])
+    assert torch.equal(positions, expected_pos)
+    labels = torch.cat([w["labels"] for w in windows])
+    assert torch.equal(labels == IGNORE, positions == 0)  # each piece's first token only
+    assert packed.trained == 4 + 2 + 10 + 0 + 3
+    rows = Packed(Documents([5, 3, 11, 1, 4], seed=0, as_dicts=True), 8, "rows")  # HF rows
+    assert all(torch.equal(rows[w]["input_ids"], windows[w]["input_ids"]) for w in range(3))
+    padded = Packed(Documents([5, 4], seed=0), 8, "docs")[1]  # 9 tokens: one padded window
+    assert padded["labels"][1:].eq(IGNORE).all() and padded["position_ids"][1:].tolist() == \
+        list(range(7))
+
+
+def _alone_and_packed(model: Any, call: ModelCall, docs: list[torch.Tensor], block: int,
+                      apart: bool = True):
+    """Per-document summed losses and gradients: each alone, and all in one window
+    (`apart`: with the window's positions, else as one sequence)."""
+    def losses(ids: torch.Tensor, labels: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+        out = call(model, {"input_ids": ids[None], **{k: v[None] for k, v in extra.items()}})
+        logits = out.prediction[0, :-1]
+        return F.cross_entropy(logits, labels[1:], ignore_index=IGNORE, reduction="none")
+
+    model.zero_grad()
+    alone = [losses(d, d).sum() for d in docs]
+    sum(alone).backward()
+    grads_alone = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    window = Packed(Documents([len(d) for d in docs], seed=0), block, "docs")
+    window.documents.docs = docs  # type: ignore[attr-defined]
+    w = window[0]
+    per_token = losses(w["input_ids"], w["labels"],
+                       **({"position_ids": w["position_ids"]} if apart else {}))
+    ends = torch.cumsum(torch.tensor([len(d) for d in docs]), 0)
+    packed = [per_token[max(int(a) - 1, 0):int(b) - 1].sum()
+              for a, b in zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True)]
+    sum(packed).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return alone, packed, grads_alone, grads
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_a_document_in_a_packed_window_has_its_own_loss_and_gradients(kind: str) -> None:
+    torch.manual_seed(0)
+    if kind == "gpt":
+        model: Any = build_gpt(VOCAB, 32, 32)
+    else:
+        transformers = pytest.importorskip("transformers")
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32))
+    model.eval()
+    docs = Documents([7, 12, 5, 8], seed=3).docs  # 32 tokens: one window
+    alone, packed, grads_alone, grads = _alone_and_packed(
+        model, ModelCall(model, packed=True), docs, 32)
+    for a, b in zip(alone, packed, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+    assert grads.keys() == grads_alone.keys()
+    for name, g in grads_alone.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=0, msg=name)
+    # the check can fail: as one sequence, the documents see each other
+    together = _alone_and_packed(model, ModelCall(model, packed=True), docs, 32, apart=False)
+    assert (together[1][1] - alone[1]).abs() > 1e-3
+
+
+def _job() -> list[str]:
+    return ["train", "--dataset", "packplug:documents", "--pack", "--block_size", "32",
+            "--model", "gpt", "--width", "32", "--epochs", "2", "--optimizer", "sgd",
+            "--lr", "0.1", "--momentum", "0.9", "--max_grad_norm", "1.0", "--num_workers", "0",
+            "--log_interval", "1", "--no-tensorboard", "--no-curves"]
+
+
+def test_a_packed_run_says_how_much_of_its_windows_it_trains(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    assert main([*_job(), "--batch_size", "4", "--output_dir", str(run)]) == 0
+    out = capfd.readouterr()
+    said = [x for x in (out.out + out.err).splitlines() if "--pack: 48 documents" in x]
+    assert len(said) == 1 and "of window positions trained" in said[0], said
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["task"] == "lm" and summary["val_perplexity"] > 0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--dataset", "digits", "--pack"], "--pack packs token documents, and --dataset 'digits'"),
+    (["--dataset", "packplug:floats", "--pack"], "gives (5,) torch.float32"),
+    (["--dataset", "packplug:documents", "--pack", "--pp", "2"], "--pack keeps documents apart"),
+])
+def test_bad_packing_is_one_line_and_exit_2(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    assert main(["train", *args, "--output_dir", str(tmp_path / "run")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ddptrain: error:") and says in err[0], err
+
+
+@pytest.mark.slow
+def test_two_ranks_of_packed_windows_equal_one(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main([*_job(), "--batch_size", "4", "--output_dir", str(one)]) == 0
+    done = run_torchrun(2, [*_job(), "--batch_size", "2", "--output_dir", str(two)],
+                        cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from procs import weights
+
+    for name, value in weights(one).items():
+        torch.testing.assert_close(weights(two)[name], value, atol=1e-5, rtol=0, msg=name)
