@@ -4,13 +4,15 @@ The draw is fixed by the seed alone, position by position: the proportions are t
 weights' within sampling error, each source's samples come in an order of its own, and
 the mixture is a map-style dataset like any other, so the epoch plan's guarantees hold:
 one rank and two end with the same weights at the same global batch, and a run SIGKILLed
-mid-epoch resumes bit for bit. Bad input is one line, exit 2.
+mid-epoch resumes bit for bit on two ranks, and on one at the same global sample. Bad input
+is one line, exit 2.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -101,7 +103,7 @@ def test_bad_mixtures_are_one_line_and_exit_2(
 
 
 @pytest.mark.slow
-def test_a_mixture_is_the_same_on_one_rank_and_two_and_resumes_bitwise(
+def test_a_mixture_is_the_same_on_one_rank_and_two_and_resumes_on_either(
     tmp_path: Path
 ) -> None:
     job = _job(tmp_path)
@@ -115,9 +117,20 @@ def test_a_mixture_is_the_same_on_one_rank_and_two_and_resumes_bitwise(
     # rank 1 dies at its 23rd forward (of the first epoch's 30 steps of 16), after the
     # save at step 20; the resume ends bit for bit as the run that was never stopped
     resumed = tmp_path / "resumed"
-    sigkill_then_resume(2, [*job, "--batch_size", "8", "--save_every_steps", "10"],
-                        resumed, tmp_path, kill_at=23)
+    kept = tmp_path / "other" / "checkpoints"
+    kept.mkdir(parents=True)
+    sigkill_then_resume(
+        2, [*job, "--batch_size", "8", "--save_every_steps", "10"], resumed, tmp_path,
+        kill_at=23, between=lambda: shutil.copy(
+            resumed / "checkpoints" / "step_000000020.pt", kept / "step_000000020.pt"),
+    )
     assert_bitwise(weights(resumed), weights(two))
+    # the same checkpoint resumed by one rank goes on at the same global sample
+    assert main([*job, "--batch_size", "16", "--save_every_steps", "10",
+                 "--output_dir", str(kept.parent),
+                 "--resume_from", str(kept / "step_000000020.pt")]) == 0
+    for name, value in weights(two).items():
+        torch.testing.assert_close(weights(kept.parent)[name], value, atol=1e-5, rtol=0)
 
 
 def test_code_a_stored_mixture_names_is_not_run_after_training(
