@@ -35,3 +35,38 @@ def documents(config: Any, n: int = 60, as_dicts: bool = False) -> tuple[Documen
 def floats(config: Any) -> tuple[Any, Any]:
     docs = [torch.rand(5) for _ in range(4)]
     return docs, docs
+
+
+class DocumentStream(torch.utils.data.IterableDataset):
+    """`documents` as a stream: the same documents, in an order fixed by the epoch."""
+
+    vocab_size = VOCAB
+
+    def __init__(self, docs: Documents) -> None:
+        self.docs, self.epoch = docs, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Any:
+        order = torch.randperm(len(self.docs), generator=torch.Generator().manual_seed(
+            self.epoch))
+        for i in order.tolist():
+            yield self.docs[i]
+
+
+def stream(config: Any) -> tuple[DocumentStream, Documents]:
+    train, val = documents(config)
+    return DocumentStream(train), val
+
+
+def killable_gpt(config: Any, vocab_size: int, block_size: int = 32) -> torch.nn.Module:
+    """The built-in GPT (`--width`) with guardplug's kill switch at a training forward."""
+    from guardplug import _KillSwitch
+
+    from ddptrain.models.gpt import build_gpt
+
+    model = build_gpt(vocab_size, block_size, config.width)
+    kill = _KillSwitch()
+    model.register_forward_pre_hook(lambda m, args: kill.tick() if m.training else None)
+    return model

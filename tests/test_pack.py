@@ -138,3 +138,52 @@ def test_two_ranks_of_packed_windows_equal_one(tmp_path: Path) -> None:
 
     for name, value in weights(one).items():
         torch.testing.assert_close(weights(two)[name], value, atol=1e-5, rtol=0, msg=name)
+
+
+def test_a_stream_of_documents_packs_as_the_dataset_does_and_resumes_by_windows() -> None:
+    from ddptrain.data.pack import PackedStream
+
+    docs = Documents([5, 3, 11, 1, 4, 9, 2], seed=0)
+
+    class InOrder(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(docs.docs)
+
+    packed = Packed(docs, 8, "docs")
+    stream = PackedStream(InOrder(), 8, "docs")
+    got = list(stream)
+    assert len(got) == len(packed) == 5
+    for w, window in enumerate(got):
+        for key, value in packed[w].items():
+            assert torch.equal(window[key], value), (w, key)
+    # its position is the windows given: a fresh one told it skips them
+    again = PackedStream(InOrder(), 8, "docs")
+    it = iter(again)
+    next(it), next(it)
+    state = again.state_dict()
+    resumed = PackedStream(InOrder(), 8, "docs")
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert state == {"windows": 2} and len(rest) == 3
+    assert all(torch.equal(a["input_ids"], b["input_ids"])
+               for a, b in zip(rest, got[2:], strict=True))
+
+
+@pytest.mark.slow
+def test_a_packed_stream_in_two_loader_workers_resumes_mid_epoch_bitwise(
+    tmp_path: Path
+) -> None:
+    from procs import assert_bitwise, sigkill_then_resume, weights
+
+    job = ["train", "--dataset", "packplug:stream", "--pack", "--block_size", "32",
+           "--model", "packplug:killable_gpt", "--width", "32", "--epochs", "2",
+           "--batch_size", "2", "--num_workers", "2", "--optimizer", "sgd", "--lr", "0.1",
+           "--log_interval", "1", "--save_every_steps", "2", "--no-tensorboard"]
+    reference = tmp_path / "reference"
+    done = run_torchrun(2, [*job, "--output_dir", str(reference)], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # rank 1 dies at its 4th forward of the first epoch (checkpoint at step 2)
+    resumed = tmp_path / "resumed"
+    log = sigkill_then_resume(2, job, resumed, tmp_path, kill_at=4)
+    assert "restarts from its beginning" not in log.stderr
+    assert_bitwise(weights(resumed), weights(reference))

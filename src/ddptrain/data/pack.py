@@ -17,6 +17,11 @@ A document that fits a window is then scored exactly as if it ran alone; a longe
 cut, each piece a document of its own. Windows are samples like any other: how they fall
 on ranks, every window once, a mid-epoch resume are the epoch plan's. The run logs how
 much of the windows is trained against padding each document to a window.
+
+A stream of documents (an `IterableDataset`) is packed as it comes (`PackedStream`), and
+its windows are sharded over rank x worker as any stream's; its position is the windows
+it has given, so a stream that reads the same documents again for an epoch resumes
+mid-epoch exactly, DataLoader workers included.
 """
 
 from __future__ import annotations
@@ -69,11 +74,6 @@ class Packed(Dataset):
 
     def __init__(self, documents: Dataset, block_size: int, where: str,
                  vocab_size: int | None = None) -> None:
-        if isinstance(documents, IterableDataset):
-            raise ConfigError(
-                f"--pack: {where} is an IterableDataset; --pack plans its windows over "
-                "map-style documents (with a length)"
-            )
         self.documents, self.block_size, self.vocab_size = documents, block_size, vocab_size
         count = len(documents)  # type: ignore[arg-type]
         lengths = [len(_tokens(documents[i], where)) for i in range(count)]
@@ -102,16 +102,7 @@ class Packed(Dataset):
                 ids.append(doc[a - self.starts[d]:b - self.starts[d]])
                 positions.append(torch.arange(b - a))
             d += 1
-        pad = self.block_size - (hi - lo)
-        if pad:  # the last window: a piece of its own that nothing is trained on
-            ids.append(torch.zeros(pad, dtype=torch.long))
-            positions.append(torch.arange(pad))
-        input_ids, position_ids = torch.cat(ids), torch.cat(positions)
-        labels = input_ids.clone()
-        labels[position_ids == 0] = IGNORE
-        if pad:
-            labels[-pad:] = IGNORE
-        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        return _window(ids, positions, self.block_size)
 
     @property
     def efficiency(self) -> float:
@@ -119,9 +110,83 @@ class Packed(Dataset):
         return self.trained / (len(self) * self.block_size)
 
 
+def _window(ids: list[torch.Tensor], positions: list[torch.Tensor], block_size: int
+            ) -> dict[str, torch.Tensor]:
+    """A window's dict from its pieces (padded to `block_size` with a piece of its own
+    that nothing is trained on)."""
+    pad = block_size - sum(len(x) for x in ids)
+    if pad:
+        ids, positions = [*ids, torch.zeros(pad, dtype=torch.long)], [*positions,
+                                                                     torch.arange(pad)]
+    input_ids, position_ids = torch.cat(ids), torch.cat(positions)
+    labels = input_ids.clone()
+    labels[position_ids == 0] = IGNORE
+    if pad:
+        labels[-pad:] = IGNORE
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+class PackedStream(IterableDataset):
+    """A stream of documents packed into windows as `Packed` packs a dataset, window by
+    window as the documents come. Its position is the windows it has given this epoch
+    (`state_dict`): a resume reads the documents again from the epoch's start and skips
+    as many windows, so a stream that gives the same documents each time it is read (and
+    is told its epoch, `set_epoch`) resumes mid-epoch exactly."""
+
+    def __init__(self, documents: IterableDataset, block_size: int, where: str,
+                 vocab_size: int | None = None) -> None:
+        self.documents, self.block_size, self.where = documents, block_size, where
+        self.vocab_size = vocab_size
+        self.given, self._skip = 0, 0
+
+    def __iter__(self) -> Any:
+        skip, self._skip = self._skip, 0
+        self.given = 0
+        ids: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        fill = 0
+        for document in self.documents:
+            tokens = _tokens(document, self.where)
+            while len(tokens):
+                piece = tokens[:self.block_size - fill]
+                ids.append(piece)
+                positions.append(torch.arange(len(piece)))
+                fill += len(piece)
+                tokens = tokens[len(piece):]
+                if fill == self.block_size:
+                    yield from self._give(_window(ids, positions, self.block_size), skip)
+                    ids, positions, fill = [], [], 0
+        if fill:
+            yield from self._give(_window(ids, positions, self.block_size), skip)
+
+    def _give(self, window: dict[str, torch.Tensor], skip: int) -> Any:
+        self.given += 1
+        if self.given > skip:
+            yield window
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows": self.given}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._skip = self.given = int(state["windows"])
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.documents, "set_epoch"):
+            self.documents.set_epoch(epoch)
+
+
 def pack_bundle(train: Dataset, val: Dataset, block_size: int, name: str) -> DataBundle:
     """A dataset's documents (`train`, `val`) packed into windows, alike."""
     vocab = _vocab_size(train)
+    if isinstance(train, IterableDataset):  # windows as the documents come
+        facts = DataFacts((block_size,), (block_size,), False, None, vocab, True)
+        log.info("--pack: the stream's documents in windows of %d", block_size)
+        def windows(documents: Dataset) -> Dataset:
+            return (PackedStream(documents, block_size, f"--dataset {name!r}", vocab)
+                    if isinstance(documents, IterableDataset)
+                    else Packed(documents, block_size, f"--dataset {name!r}", vocab))
+
+        return DataBundle(windows(train), windows(val), facts)
     packed = Packed(train, block_size, f"--dataset {name!r}", vocab)
     log.info(
         "--pack: %s documents (%s tokens) in %s windows of %d: %.1f%% of window positions "
