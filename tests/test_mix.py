@@ -148,3 +148,13 @@ def test_code_a_stored_mixture_names_is_not_run_after_training(
     assert len(err) == 1 and ("names code to import and run (--mix guardplug:augmented=1 "
                               "guardplug:flipped=1") in err[0], err
     assert main(["evaluate", str(run), *job, "--model", "guardplug:dropout_net"]) == 0
+
+
+def test_a_config_file_gives_a_mixture_as_a_mapping(tmp_path: Path) -> None:
+    from ddptrain.config_cli import parse_config
+
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("data:\n  mix:\n    digits: 0.7\n    mymod:code: 0.3\n"
+                           "  val: {again: digits}\n")
+    config = parse_config(["--config", str(config_file)])
+    assert config.mix == ["digits=0.7", "mymod:code=0.3"] and config.val == ["again=digits"]

@@ -157,6 +157,10 @@ def _add_field(parser: Any, f: dataclasses.Field[Any], tp: Any) -> None:
     )
 
 
+# List fields of KEY=VALUE entries, which a config file may also give as a mapping.
+_KEYED_LISTS = ("mix", "val")
+
+
 def _coerce(name: str, value: Any) -> Any:
     """Check a YAML value against the field's type, as the flag's parser would."""
     tp = typing.get_type_hints(TrainingConfig)[name]
@@ -185,6 +189,8 @@ def _coerce(name: str, value: Any) -> Any:
             return [value]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
+        if isinstance(value, dict) and name in _KEYED_LISTS:  # mix: {chars: 0.7, ...}
+            return [f"{k}={v}" for k, v in value.items()]
         raise ConfigError(f"{name}: {value!r} in the config file is invalid: use a list")
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
