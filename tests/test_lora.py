@@ -3,7 +3,8 @@
 Single-process runs (fast tier): the frozen base stays bit for bit, the adapters train,
 the merge equals peft's own, the adapter directory loads with `PeftModel.from_pretrained`
 and gives the run's outputs, a resume goes on bit for bit, and what cannot combine is one
-line. 2 ranks (slow tier): ddp and fsdp train the same adapters.
+line. 2 ranks (slow tier): ddp and fsdp train the same adapters, and tp and pp those of
+one process.
 """
 
 from __future__ import annotations
@@ -129,8 +130,7 @@ def test_init_from_a_plain_model_fills_the_wrapped_layers(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"lora_rank": 4, "tp": 2}, "--lora_rank with --tp is unsupported"),
-    ({"lora_rank": 4, "pp": 2}, "--lora_rank with --pp is unsupported"),
+    ({"lora_rank": 4, "float8": "tensorwise"}, "--lora_rank with --float8 is unsupported"),
     ({"lora_alpha": 16.0}, "--lora_alpha 16.0 is invalid: it shapes the adapters of --lora_rank"),
     ({"lora_rank": 4, "lora_dropout": 1.0}, "use a probability in [0, 1)"),
 ])
@@ -160,3 +160,44 @@ def test_ddp_and_fsdp_train_the_same_adapters(tmp_path: Path) -> None:
     assert ddp.keys() == fsdp.keys() and any(is_adapter(k) for k in ddp)
     for name in ddp:
         torch.testing.assert_close(fsdp[name], ddp[name], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_tp_trains_the_adapters_one_process_trains(tmp_path: Path) -> None:
+    """Under --tp 2 each adapted layer's base and its lora_B (column splits) or lora_A (row
+    splits) are split like the layer, the other adapter whole: the run ends with the
+    weights of one process with the same batch, the base untouched."""
+    # 8 steps: the split layers sum their products in another order, which LoRA's
+    # dynamics amplify past 1e-5 over an epoch of small batches (6e-6 by step 21 of 127)
+    one = dict(GPT, output_dir=str(tmp_path / "one"), epochs=1, batch_size=256)
+    fit(TrainingConfig(**one))
+    reference = _state(tmp_path / "one")
+    ranks = run_ranks(train_and_report, 2, tmp_path,
+                      dict(one, output_dir=str(tmp_path / "tp"), tp=2))
+    got = ranks[0]["weights"]
+    assert got.keys() == reference.keys() and any(is_adapter(k) for k in got)
+    for name, value in reference.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=name)
+    assert any(not torch.equal(got[k], 0 * got[k]) for k in got if ".lora_B." in k)
+
+
+@pytest.mark.slow
+def test_pp_trains_the_adapters_one_process_trains(tmp_path: Path) -> None:
+    """Under --pp 2 each stage holds its blocks' adapters: the exported adapters and the
+    merged weights are those of one process with the same batch."""
+    from tests.conftest import run_torchrun
+
+    job = ["train", "--dataset", "chars", "--model", "gpt", "--width", "32",
+           "--block_size", "16", "--batch_size", "256", "--optimizer", "sgd", "--lr", "0.2",
+           "--max_grad_norm", "1.0", "--lora_rank", "4", "--lora_alpha", "8", "--epochs", "1",
+           "--seed", "3", "--no-tensorboard", "--no-curves"]
+    fit(TrainingConfig(**{**GPT, "batch_size": 256, "epochs": 1,
+                          "output_dir": str(tmp_path / "one")}))
+    done = run_torchrun(2, [*job, "--pp", "2", "--output_dir", str(tmp_path / "pp")],
+                        cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        a, b = load_file(str(tmp_path / "one" / name)), load_file(str(tmp_path / "pp" / name))
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5, msg=f"{name} {key}")

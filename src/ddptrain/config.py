@@ -499,10 +499,10 @@ class TrainingConfig:
         if given and not self.lora_rank:
             _bad(given[0], getattr(self, given[0]), "it shapes the adapters of --lora_rank: "
                  "give --lora_rank R too")
-        clash = [f for f in ("tp", "pp", "float8") if getattr(self, f) not in (1, "off")]
+        clash = [f for f in ("float8",) if getattr(self, f) not in (1, "off")]
         if self.lora_rank and clash:
             raise ConfigError(f"--lora_rank with --{clash[0]} is unsupported: train the "
-                              "adapters with --strategy ddp or fsdp")
+                              "adapters with --strategy ddp or fsdp, or --tp")
 
     def _check_checkpoint(self) -> None:
         self._at_least(0, "use a value of 0 or more", "save_every", "save_every_steps",

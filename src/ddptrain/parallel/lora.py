@@ -188,3 +188,47 @@ def merged(state: dict[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Te
             delta = delta.T
         out[f"{layer}.weight"] = (weight.float() + delta).to(weight.dtype)
     return out
+
+
+def tp_plan_with_adapters(root: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """A tensor-parallel plan (`parallelize_module`'s: module names, `*` for one part)
+    for `root` with LoRA-wrapped layers: such a layer's plain `ColwiseParallel` goes to
+    its base layer and its `lora_B` (each rank computes its columns: base(x) + B(A(x)),
+    with A whole), a plain `RowwiseParallel` to its base layer and its `lora_A` (each
+    rank's input columns, reduced; B whole). A replicated A or B gets its full gradient on
+    every rank, through the reductions torch makes at the split layers' inputs and
+    outputs. Other styles on a wrapped layer are refused with one line."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    wrapped = {n for n, m in root.named_modules() if hasattr(m, "base_layer")}
+    if not wrapped:
+        return plan
+    names = [n for n, _ in root.named_modules() if n]
+    out: dict[str, Any] = {}
+    for key, style in plan.items():
+        matched = [n for n in names if fnmatch.fnmatchcase(n, key)
+                   and n.count(".") == key.count(".")]  # `*` is one part of a name
+        hits = [n for n in matched if n in wrapped]
+        if not hits:
+            out[key] = style
+            continue
+        plain_col = (isinstance(style, ColwiseParallel) and style.input_layouts == (Replicate(),)
+                     and style.output_layouts == (Shard(-1),) and style.use_local_output)
+        plain_row = (isinstance(style, RowwiseParallel)
+                     and style.input_layouts == (Shard(-1),)
+                     and style.output_layouts == (Replicate(),) and style.use_local_output)
+        if not (plain_col or plain_row):
+            raise ConfigError(
+                f"--lora_rank with --tp: the plan splits {key} with {type(style).__name__} "
+                "in a way adapters do not follow (only plain column or row splits do); drop "
+                "--lora_targets of that layer, --sequence_parallel, or --tp"
+            )
+        for name in hits:
+            out[f"{name}.base_layer"] = style
+            if plain_col:
+                out[f"{name}.lora_B.{ADAPTER}"] = ColwiseParallel()
+            else:
+                out[f"{name}.lora_A.{ADAPTER}"] = RowwiseParallel()
+        out.update(dict.fromkeys((n for n in matched if n not in wrapped), style))
+    return out

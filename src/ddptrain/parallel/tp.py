@@ -48,6 +48,7 @@ from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.base import NO_CONTEXT
 from ddptrain.parallel.fsdp import FSDP, retie, tensors_by_identity
+from ddptrain.parallel.lora import tp_plan_with_adapters
 from ddptrain.parallel.mesh import tp_mesh
 from ddptrain.parallel.tp_hf import hf_tp_plan
 from ddptrain.plugins import load_ref
@@ -181,7 +182,7 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool 
         if sequence_parallel:
             norm = SequenceParallel(use_local_output=True)
             plan.update({"ln_1": norm, "attn": gather, "ln_2": norm, "mlp": gather})
-        parallelize_module(block, mesh, plan)
+        parallelize_module(block, mesh, tp_plan_with_adapters(block, plan))
     if sequence_parallel:
         split = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(tokens,),
                                    use_local_output=True)

@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ddptrain.errors import ConfigError
+from ddptrain.parallel.lora import tp_plan_with_adapters
 
 # transformers' names for the two splits its plans describe that torch's styles are.
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -124,7 +125,8 @@ def _check_divides(tp: int, config: Any, fields: tuple[str, ...], what: str) -> 
 
 def _parallelize_base(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
     """The model's own description, applied to its base model (the names it uses)."""
-    parallelize_module(model.base_model, mesh, plan)  # type: ignore[arg-type]
+    base = model.base_model
+    parallelize_module(base, mesh, tp_plan_with_adapters(base, plan))  # type: ignore[arg-type]
 
 
 def parallelize_gpt2(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -132,12 +134,12 @@ def parallelize_gpt2(model: nn.Module, mesh: DeviceMesh) -> None:
     tp, rank = mesh.size(), mesh.get_local_rank()
     for block in model.base_model.h:  # type: ignore[union-attr]
         attn = block.attn
-        parallelize_module(block, mesh, {
+        parallelize_module(block, mesh, tp_plan_with_adapters(block, {
             "attn.c_attn": Conv1DParallel(colwise=True, output=Replicate(), partial_grad=True),
             "attn.c_proj": Conv1DParallel(colwise=False),
             "mlp.c_fc": Conv1DParallel(colwise=True),
             "mlp.c_proj": Conv1DParallel(colwise=False),
-        })
+        }))
         width = int(attn.split_size) // tp
         attn.c_attn.register_forward_hook(partial(_own_heads, start=rank * width, width=width))
         attn.split_size = width  # q, k, v of this rank's heads
