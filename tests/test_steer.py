@@ -43,6 +43,7 @@ class _Trainer:
 
     def __init__(self) -> None:
         self.task = type("T", (), {"best": "accuracy", "mode": "max"})()
+        self.best_key, self.best_mode = "accuracy", "max"  # the task's (no --best_metric)
         self.steer = Steering(*_optimizer())
 
 

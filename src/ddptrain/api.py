@@ -131,7 +131,8 @@ def resolve_run(
     mistake ends the job at once instead of leaving peers waiting for a dead rank."""
     # Imported here so that `--help` and config errors answer without loading torch.
     from ddptrain.data import bundle_datasets, load_data, with_collate
-    from ddptrain.data.mix import with_val_objects, with_val_sets
+    from ddptrain.data.mix import with_val_sets
+    from ddptrain.data.sources import with_val_objects
     from ddptrain.launch.cluster import read_cluster_env
     from ddptrain.launch.process_group import resolve_backend, resolve_device
     from ddptrain.log import setup_logging

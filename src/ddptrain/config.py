@@ -426,13 +426,8 @@ class TrainingConfig:
         if self.pack and self.pp > 1:
             raise ConfigError("--pack keeps documents apart with a mask the pipeline's stages "
                               "do not pass on: drop --pack, or train without --pp")
-        sets = dict(val_sets(self.val))
-        for ds in sets.values():
+        for _, ds in val_sets(self.val):
             _check_dataset(ds, "val")
-        where, _, metric = (self.best_metric or "").rpartition("/")
-        if self.best_metric is not None and (not metric or (where and where not in sets)):
-            _bad("best_metric", self.best_metric, "give METRIC, or NAME/METRIC with NAME one "
-                 f"of --val's sets ({', '.join(sets) or 'none given'})")
         if self.collate is not None and not _is_import_ref(self.collate):
             _bad("collate", self.collate, "give package.module:fn, a function of a list of samples")
 
@@ -527,6 +522,11 @@ class TrainingConfig:
             _bad("straggler_factor", self.straggler_factor, "use a factor above 1, or 0 (off)")
 
     def _check_steer(self) -> None:
+        sets = [name for name, _ in val_sets(self.val)]
+        where, _, metric = (self.best_metric or "").rpartition("/")
+        if self.best_metric is not None and (not metric or (where and where not in sets)):
+            _bad("best_metric", self.best_metric, "give METRIC, or NAME/METRIC with NAME one "
+                 f"of --val's sets ({', '.join(sets) or 'none given'})")
         if self.early_stopping < 0:
             _bad("early_stopping", self.early_stopping, "use a number of epochs, or 0 (off)")
         if self.early_stopping_min_delta < 0:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -99,7 +99,7 @@ def _mixed(bundles: list[DataBundle], names: list[str], weights: list[float],
                 f"--mix {name}: it is an IterableDataset; --mix takes map-style datasets "
                 "(with a length), whose positions can be drawn"
             )
-        _refuse_unlike(first, bundle, f"--mix: {names[0]} and {name}")
+        refuse_unlike(first, bundle, f"--mix: {names[0]} and {name}")
     mixture = Mixture([b.train for b in bundles], names, weights, seed,
                       first.facts.vocab_size)
     share = ", ".join(
@@ -111,7 +111,7 @@ def _mixed(bundles: list[DataBundle], names: list[str], weights: list[float],
     return DataBundle(mixture, val, first.facts)
 
 
-def _refuse_unlike(first: DataBundle, other: DataBundle, which: str) -> None:
+def refuse_unlike(first: DataBundle, other: DataBundle, which: str) -> None:
     """A `ConfigError` when two datasets' samples are not alike (`which`: who they are)."""
     for fact in ("input_shape", "target_shape", "target_is_float", "num_classes",
                  "vocab_size", "dict_batches"):
@@ -131,26 +131,8 @@ def with_val_sets(
     more: dict[str, Dataset] = {}
     for name, dataset in val_sets(config.val):
         other = load(dataclasses.replace(config, dataset=dataset, mix=[], val=[]))
-        _refuse_unlike(bundle, other, f"--val {name}={dataset} and the training data")
+        refuse_unlike(bundle, other, f"--val {name}={dataset} and the training data")
         more[name] = other.val
-    return dataclasses.replace(bundle, more_val=more)
-
-
-def with_val_objects(
-    bundle: DataBundle, config: TrainingConfig, sets: Mapping[str, Any]
-) -> DataBundle:
-    """`ddptrain.fit(..., val={NAME: dataset})`: the bundle with those datasets (taken
-    whole) beside its own validation sets, each checked alike from its first sample."""
-    from ddptrain.data.sources import bundle_datasets
-
-    more = dict(bundle.more_val)
-    for name, dataset in sets.items():
-        if name in more:
-            raise ConfigError(f"validation set {name!r} is given twice (--val and val=): "
-                              "give each name once")
-        _refuse_unlike(bundle, bundle_datasets((dataset, dataset), config),
-                       f"validation set {name!r} and the training data")
-        more[name] = dataset
     return dataclasses.replace(bundle, more_val=more)
 
 

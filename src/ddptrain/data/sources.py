@@ -32,7 +32,7 @@ from ddptrain.data import hf
 from ddptrain.data.arrays import ArrayDataset, MemmapDataset, as_targets
 from ddptrain.data.batch import first_tensor, split
 from ddptrain.data.bundle import DataBundle, DataFacts
-from ddptrain.data.mix import load_mixture, with_val_sets
+from ddptrain.data.mix import load_mixture, refuse_unlike, with_val_sets
 from ddptrain.data.pack import pack_bundle
 from ddptrain.errors import ConfigError
 from ddptrain.plugins import call_factory, load_ref
@@ -378,3 +378,20 @@ def with_collate(data: DataBundle, config: TrainingConfig, collate: Any = None) 
             f"collate {collate!r} is not callable: give a function of a list of samples"
         )
     return dataclasses.replace(data, collate=collate)
+
+
+def with_val_objects(
+    bundle: DataBundle, config: TrainingConfig, sets: Mapping[str, Any]
+) -> DataBundle:
+    """`ddptrain.fit(..., val={NAME: dataset})`: the bundle with those datasets (taken
+    whole) beside its own validation sets, each checked alike from its first sample."""
+    more = dict(bundle.more_val)
+    for name, dataset in sets.items():
+        if name in more:
+            raise ConfigError(f"validation set {name!r} is given twice (--val and val=): "
+                              "give each name once")
+        alone = dataclasses.replace(config, val_fraction=None)  # a pair: not split
+        refuse_unlike(bundle, bundle_datasets((dataset, dataset), alone),
+                      f"validation set {name!r} and the training data")
+        more[name] = dataset
+    return dataclasses.replace(bundle, more_val=more)
