@@ -117,7 +117,9 @@ def test_a_packed_run_says_how_much_of_its_windows_it_trains(
 @pytest.mark.parametrize("args, says", [
     (["--dataset", "digits", "--pack"], "--pack packs token documents, and --dataset 'digits'"),
     (["--dataset", "packplug:floats", "--pack"], "gives (5,) torch.float32"),
-    (["--dataset", "packplug:documents", "--pack", "--pp", "2"], "--pack keeps documents apart"),
+    (["--dataset", "packplug:documents", "--pack", "--pp", "2"], "a mask that --pp does not"),
+    (["--dataset", "packplug:documents", "--pack", "--tp", "2", "--sequence_parallel"],
+     "a mask that --sequence_parallel does not"),
 ])
 def test_bad_packing_is_one_line_and_exit_2(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], args: list[str], says: str

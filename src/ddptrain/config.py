@@ -423,9 +423,10 @@ class TrainingConfig:
                               "data: give every dataset in --mix, and no --dataset")
         for ds in [name for name, _ in mix_weights(self.mix)] or [self.dataset]:
             _check_dataset(ds, "mix" if self.mix else "dataset")
-        if self.pack and self.pp > 1:
-            raise ConfigError("--pack keeps documents apart with a mask the pipeline's stages "
-                              "do not pass on: drop --pack, or train without --pp")
+        if self.pack and (self.pp > 1 or self.sequence_parallel):
+            flag = "--pp" if self.pp > 1 else "--sequence_parallel"
+            raise ConfigError(f"--pack keeps documents apart with a mask that {flag} does not "
+                              f"pass on: drop --pack, or train without {flag}")
         for _, ds in val_sets(self.val):
             _check_dataset(ds, "val")
         if self.collate is not None and not _is_import_ref(self.collate):

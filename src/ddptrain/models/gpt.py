@@ -119,7 +119,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask)
+        # the mask only when there is one: tp's sequence-parallel plan prepares one input
+        x = x + (self.attn(self.ln_1(x)) if mask is None else self.attn(self.ln_1(x), mask))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -177,7 +178,7 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device) if position_ids is None else position_ids
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x) if mask is None else block(x, mask)
         return self.lm_head(self.ln_f(x))
 
 
