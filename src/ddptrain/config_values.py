@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ddptrain.errors import ConfigError
@@ -13,24 +14,6 @@ from ddptrain.errors import ConfigError
 
 def bad(name: str, value: Any, fix: str) -> NoReturn:
     raise ConfigError(f"--{name} {value!r} is invalid: {fix}")
-
-
-def mix_weights(entries: list[str]) -> list[tuple[str, float]]:
-    """`--mix`' DATASET=WEIGHT entries as (dataset, weight), each named once."""
-    parsed: list[tuple[str, float]] = []
-    for entry in entries:
-        name, sep, text = str(entry).rpartition("=")
-        try:
-            weight = float(text)
-        except ValueError:
-            weight = math.nan
-        if not sep or not name or not math.isfinite(weight) or weight <= 0:
-            bad("mix", entry, "give DATASET=WEIGHT with a positive weight, e.g. --mix "
-                "chars=0.7 mymod:code=0.3")
-        if name in (n for n, _ in parsed):
-            bad("mix", entry, f"it names {name!r} twice: give each dataset once")
-        parsed.append((name, weight))
-    return parsed
 
 
 def step_ranges(values: list[Any]) -> list[tuple[int, int]]:
@@ -49,15 +32,41 @@ def step_ranges(values: list[Any]) -> list[tuple[int, int]]:
 _SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
+def mix_weights(entries: list[str]) -> list[tuple[str, float]]:
+    """`--mix`' DATASET=WEIGHT entries as (dataset, weight), each named once."""
+    def parse(entry: str) -> tuple[str, float] | None:
+        name, sep, text = entry.rpartition("=")
+        try:
+            weight = float(text)
+        except ValueError:
+            return None
+        return (name, weight) if sep and name and math.isfinite(weight) and weight > 0 else None
+
+    return _keyed("mix", entries, parse, "give DATASET=WEIGHT with a positive weight, e.g. "
+                  "--mix chars=0.7 mymod:code=0.3", ("", "dataset"))
+
+
 def val_sets(entries: list[str]) -> list[tuple[str, str]]:
     """`--val`' NAME=DATASET entries as (name, dataset), each name once."""
-    parsed: list[tuple[str, str]] = []
+    def parse(entry: str) -> tuple[str, str] | None:
+        name, sep, dataset = entry.partition("=")
+        return (name, dataset) if sep and dataset and _SET_NAME.fullmatch(name) else None
+
+    return _keyed("val", entries, parse, "give NAME=DATASET, a name of letters, digits, '_', "
+                  "'.' or '-', e.g. --val heldout=mymod:heldout bench=bench.npz",
+                  ("the set ", "name"))
+
+
+def _keyed(flag: str, entries: list[str], parse: Callable[[str], Any], form: str,
+           names: tuple[str, str]) -> list[Any]:
+    """KEY=VALUE entries as `parse` reads them (None: malformed, refused with `form`),
+    each key once (`names`: how the refusal calls a key, and what to give once)."""
+    parsed: list[Any] = []
     for entry in entries:
-        name, sep, dataset = str(entry).partition("=")
-        if not sep or not dataset or not _SET_NAME.fullmatch(name):
-            bad("val", entry, "give NAME=DATASET, a name of letters, digits, '_', '.' or "
-                "'-', e.g. --val heldout=mymod:heldout bench=bench.npz")
-        if name in (n for n, _ in parsed):
-            bad("val", entry, f"it names the set {name!r} twice: give each name once")
-        parsed.append((name, dataset))
+        item = parse(str(entry))
+        if item is None:
+            bad(flag, entry, form)
+        if item[0] in (key for key, _ in parsed):
+            bad(flag, entry, f"it names {names[0]}{item[0]!r} twice: give each {names[1]} once")
+        parsed.append(item)
     return parsed

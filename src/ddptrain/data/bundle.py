@@ -56,3 +56,12 @@ class DataFacts:
             "input_shape": self.input_shape, "num_classes": self.num_classes,
             "vocab_size": self.vocab_size, "target_shape": self.target_shape,
         }
+
+
+def attr_through(dataset: Any, name: str) -> Any:
+    """`dataset.name`, or that of the dataset it wraps (through `Subset` and friends)."""
+    while dataset is not None:
+        if getattr(dataset, name, None) is not None:
+            return getattr(dataset, name)
+        dataset = getattr(dataset, "dataset", None)
+    return None

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from ddptrain.data.bundle import DataBundle, DataFacts
+from ddptrain.data.bundle import DataBundle, DataFacts, attr_through
 from ddptrain.errors import ConfigError
 
 log = logging.getLogger("ddptrain")
@@ -177,7 +177,7 @@ class PackedStream(IterableDataset):
 
 def pack_bundle(train: Dataset, val: Dataset, block_size: int, name: str) -> DataBundle:
     """A dataset's documents (`train`, `val`) packed into windows, alike."""
-    vocab = _vocab_size(train)
+    vocab = attr_through(train, "vocab_size")
     if isinstance(train, IterableDataset):  # windows as the documents come
         facts = DataFacts((block_size,), (block_size,), False, None, vocab, True)
         log.info("--pack: the stream's documents in windows of %d", block_size)
@@ -198,11 +198,3 @@ def pack_bundle(train: Dataset, val: Dataset, block_size: int, name: str) -> Dat
     return DataBundle(
         packed, Packed(val, block_size, f"--dataset {name!r} (validation)", vocab), facts
     )
-
-
-def _vocab_size(dataset: Any) -> int | None:
-    while dataset is not None:  # through Subset and friends
-        if getattr(dataset, "vocab_size", None) is not None:
-            return int(dataset.vocab_size)
-        dataset = getattr(dataset, "dataset", None)
-    return None

@@ -31,7 +31,7 @@ from ddptrain.config import TrainingConfig, names_code, npy_targets
 from ddptrain.data import hf
 from ddptrain.data.arrays import ArrayDataset, MemmapDataset, as_targets
 from ddptrain.data.batch import first_tensor, split
-from ddptrain.data.bundle import DataBundle, DataFacts
+from ddptrain.data.bundle import DataBundle, DataFacts, attr_through
 from ddptrain.data.mix import load_mixture, refuse_unlike, with_val_sets
 from ddptrain.data.pack import pack_bundle
 from ddptrain.errors import ConfigError
@@ -274,14 +274,6 @@ def _pair_of(made: Mapping[str, Any], config: TrainingConfig) -> tuple[Any, Any]
     return made["train"], made[val_key]
 
 
-def _attr(dataset: Any, name: str) -> Any:
-    while dataset is not None:
-        if getattr(dataset, name, None) is not None:
-            return getattr(dataset, name)
-        dataset = getattr(dataset, "dataset", None)  # through Subset and friends
-    return None
-
-
 def _first_of_stream(stream: IterableDataset) -> Any:
     """A stream's first item, leaving a stream that keeps its position where it stood."""
     stateful = all(hasattr(stream, n) for n in ("state_dict", "load_state_dict"))
@@ -305,12 +297,12 @@ def _probe(train: Dataset, config: TrainingConfig, num_labels: int | None = None
     input_shape = () if dict_batches or x is None else tuple(torch.as_tensor(x).shape)
     num_classes, source = _classes(train, config, num_labels)
     if target is None:
-        return DataFacts(input_shape, None, False, num_classes, _attr(train, "vocab_size"), True,
-                         source)
+        return DataFacts(input_shape, None, False, num_classes,
+                         attr_through(train, "vocab_size"), True, source)
     t = torch.as_tensor(target)
     return DataFacts(
         input_shape, tuple(t.shape), t.is_floating_point(), num_classes,
-        _attr(train, "vocab_size"), dict_batches, source,
+        attr_through(train, "vocab_size"), dict_batches, source,
     )
 
 
@@ -322,10 +314,10 @@ def _classes(
     `ClassLabel` on `labels`, the model's `config.num_labels`, or the labels themselves."""
     if config.num_classes:
         return config.num_classes, "--num_classes"
-    classes = _attr(train, "classes")
+    classes = attr_through(train, "classes")
     if isinstance(classes, (list, tuple, Mapping)) and len(classes) >= 2:
         return len(classes), "dataset.classes"
-    counted = _attr(train, "num_classes")
+    counted = attr_through(train, "num_classes")
     if counted is not None:
         return int(counted), "dataset.num_classes"
     counted = hf.class_label_count(train)
