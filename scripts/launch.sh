@@ -126,9 +126,9 @@ else
     [[ -n "${LOCAL_ADDR:-}" ]] && args+=(--local_addr="$LOCAL_ADDR")
 fi
 
-# torchrun reports any worker's non-zero exit as 1; the workers leave their own code (75, or
-# 143 on Kubernetes: stopped by SIGTERM after a checkpoint; 130: by Ctrl-C) in this file,
-# and it becomes ours.
+# The ranks and the agent leave the job's code in this file, and it becomes ours: that of the
+# rank that failed of itself, not of those the job then stopped; 75 (143 on Kubernetes) when
+# SIGTERM stopped the job after a checkpoint, which torchrun's agent cannot report; 130: Ctrl-C.
 exit_file="$(mktemp "${TMPDIR:-/tmp}/ddptrain-exit.XXXXXXXX")"
 export DDPTRAIN_EXIT_FILE="$exit_file"
 # torchrun's agent, reporting a failed job as ddptrain does (src/ddptrain/launch/torchrun.py):
@@ -150,7 +150,7 @@ done
 # (a watchdog that saw the agent end first is gone already: not a failure, under set -e)
 if [[ -n "$watchdog" ]]; then kill "$watchdog" 2>/dev/null || true; fi
 if [[ "$rc" -ne 0 && -s "$exit_file" ]]; then
-    rc="$(<"$exit_file")"
+    read -r rc _ <"$exit_file" || true  # "CODE ROUND": ddptrain.launch.signals.note_exit
 fi
 rm -f "$exit_file"
 exit "$rc"

@@ -232,7 +232,7 @@ def test_a_failed_nccl_collective_ends_with_exit_3_and_one_line(
     rc = main(["train", "--dataset", str(npz400), "--model", "mlp", "--epochs", "1",
                "--log_interval", "2", "--no-tensorboard", "--output_dir", str(tmp_path / "r")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == EXIT_PEER_LOST and exit_file.read_text() == f"{EXIT_PEER_LOST}\n"
+    assert rc == EXIT_PEER_LOST and exit_file.read_text() == f"{EXIT_PEER_LOST} 0\n"
     assert len(err) == 1 and err[0].startswith(
         "ddptrain: error: lost contact with the other ranks ("
     ), err
@@ -323,6 +323,9 @@ def test_only_nccl_is_bound_to_the_device(
     monkeypatch.setattr(process_group, "_attempt_store", lambda *a: None)
     monkeypatch.setattr(process_group, "abort_hung_collectives", lambda: None)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # the call sets them: restored after it
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     cluster = ClusterEnv(rank=0, local_rank=0, world_size=2, source="torchrun",
                          master_addr="127.0.0.1", master_port=29500)
     with pytest.raises(SystemExit):

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,8 +45,11 @@ def test_a_failed_job_ends_with_the_ranks_line_and_code_not_torchruns_traceback(
     res = launch(["--epochs", "0", "--output_dir", "run"], tmp_path, timeout=120,
                  NPROC_PER_NODE="2")
     assert res.returncode == 2, res.stderr[-3000:]
-    # (the agent stops the other rank once one has failed: it may not get to say it)
-    lines = {x.removeprefix("[rank 1] ") for x in res.stderr.splitlines() if x.strip()}
+    # The agent stops the other rank once one has failed: it may not get to say why, or it
+    # says that it was stopped (SIGTERM while it started); the code stays the refusal's.
+    lines = {x.removeprefix("[rank 0] ").removeprefix("[rank 1] ")
+             for x in res.stderr.splitlines() if x.strip()}
+    lines -= {x for x in lines if x.startswith("ddptrain: stopped: stopped by SIGTERM")}
     assert lines == {"ddptrain: error: --epochs 0 is invalid: use a whole number of at least 1"
                      }, res.stderr[-3000:]
 
@@ -86,6 +90,63 @@ def test_the_root_cause_is_the_rank_that_failed_of_itself_not_one_the_agent_stop
                        3: failed(3, -9)}, 0) == 3
     assert root_cause({0: failed(0, 2), 1: failed(1, 2)}, 1) == 1
     assert root_cause({0: failed(0, 75), 1: failed(1, 75)}, 1) == 1
+
+
+def test_the_exit_file_keeps_the_rank_that_failed_of_itself_over_those_then_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """launch.sh and slurm/run.sh exit with the code noted in DDPTRAIN_EXIT_FILE: a rank the
+    job stopped after another refused (75, 3) must not replace that rank's 2, but does
+    replace an earlier restart round's; the agent's root cause replaces anything."""
+    from ddptrain.launch.signals import note_exit, noted_exit
+
+    path = tmp_path / "exit"
+    monkeypatch.setenv("DDPTRAIN_EXIT_FILE", str(path))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    note_exit(2)
+    note_exit(75)
+    note_exit(3)
+    assert noted_exit(str(path)) == (2, 0)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    note_exit(75)  # a later round, preempted
+    assert path.read_text() == "75 1\n"
+    note_exit(4)
+    note_exit(143)
+    assert noted_exit(str(path)) == (4, 1)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    note_exit(137, cause=True)  # the agent saw a rank killed by SIGKILL
+    assert noted_exit(str(path)) == (137, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exit"]
+    path.write_text("3\n")  # scripts/rdzv.sh's watchdog writes the code alone
+    assert noted_exit(str(path)) == (3, 0)
+
+
+def test_the_agent_notes_the_root_cause_over_a_stopped_rank0s_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 refused its config (2) while rank 0, still starting, was stopped by the agent
+    and noted 75 (as happened in CI): the job's code is 2, in the file launch.sh reads too."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,
+        ProcessFailure,
+    )
+
+    from ddptrain.launch import torchrun as launcher
+
+    def failed(rank: int, code: int) -> ProcessFailure:
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code,
+                              error_file="<N/A>")
+
+    def run(args: Any) -> None:
+        raise ChildFailedError("ddptrain", {0: failed(0, 75), 1: failed(1, 2)})
+
+    path = tmp_path / "exit"
+    path.write_text("75 0\n")
+    monkeypatch.setenv("DDPTRAIN_EXIT_FILE", str(path))
+    monkeypatch.setattr(torchrun, "run", run)
+    assert launcher.main(["--nproc_per_node=2", "-m", "ddptrain", "train"]) == 2
+    assert path.read_text() == "2 0\n"
 
 
 @pytest.mark.parametrize(

@@ -77,8 +77,9 @@ fi
 # on to srun: srun answers SIGTERM by killing the step at once, checkpoint or not.
 # Unique per run: job ids repeat across clusters that share a /tmp.
 marker="$(mktemp -u "${TMPDIR:-/tmp}/ddptrain-preempted.$SLURM_JOB_ID.XXXXXXXX")"
-# Rank 0 leaves its exit code here (75: stopped by SIGTERM after a checkpoint): torchrun
-# reports any worker's failure as 1. In the submit directory, which every node shares.
+# The ranks leave the job's code here (that of the rank that failed of itself; 75: stopped by
+# SIGTERM after a checkpoint): srun reports the highest of its nodes'. In the submit
+# directory, which every node shares.
 exit_file="${SLURM_SUBMIT_DIR:-$PWD}/.ddptrain-exit.$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"
 rm -f "$exit_file"
 export DDPTRAIN_EXIT_FILE="$exit_file"
@@ -114,7 +115,7 @@ if [[ "$preempted" -eq 1 && "${SLURM_RESTART_COUNT:-0}" -lt "${MAX_REQUEUES:-3}"
     exit 0
 fi
 if [[ -s "$exit_file" ]]; then
-    rc="$(<"$exit_file")"
+    read -r rc _ <"$exit_file" || true  # "CODE ROUND": ddptrain.launch.signals.note_exit
 fi
 rm -f "$exit_file"
 echo "ddptrain slurm: step ended (exit $rc)" >&2

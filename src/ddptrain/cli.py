@@ -325,6 +325,7 @@ def _main(argv: list[str]) -> int:
     except ConfigError as exc:
         _report(f"error: {exc}")
         _own_end(str(exc))
+        _note_exit(EXIT_USAGE)
         return EXIT_USAGE
     except TrainingStopped as exc:
         _report(f"stopped: {exc}")
@@ -370,7 +371,7 @@ def _main(argv: list[str]) -> int:
 def _note_exit(code: int) -> None:
     from ddptrain.launch.signals import note_exit
 
-    note_exit(code, _rank_number(-1))
+    note_exit(code)
 
 
 def _rank() -> str:

@@ -17,12 +17,19 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ddptrain.errors import EXIT_INTERRUPTED, preempt_exit_code
+from ddptrain.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_PEER_LOST,
+    EXIT_PREEMPTED,
+    EXIT_PREEMPTED_K8S,
+    preempt_exit_code,
+)
 
 
 class StoppedOutsideTraining(KeyboardInterrupt):
@@ -118,7 +125,7 @@ def exit_at_once_on_signals(rank: int) -> Iterator[None]:
                 stop = StoppedOutsideTraining(got[0])
                 prefix = f"[rank {rank}] " if rank else ""
                 os.write(2, f"{prefix}ddptrain: stopped: {stop}\n".encode())
-                note_exit(stop.exit_code, rank)
+                note_exit(stop.exit_code)
                 os._exit(stop.exit_code)
 
     thread = threading.Thread(target=watch, name="ddptrain-signals", daemon=True)
@@ -134,10 +141,42 @@ def exit_at_once_on_signals(rank: int) -> Iterator[None]:
         os.close(write_fd)
 
 
-def note_exit(code: int, rank: int) -> None:
-    """Tell a wrapping launcher why the workers stopped: torchrun itself reports any
-    worker's non-zero exit as 1, so `scripts/launch.sh` reads the code from this file."""
+# what a rank ends with when its launcher stops it, or when a peer it waits on has ended:
+# never the job's cause while another rank's own failure is known
+STOPPED = (EXIT_PREEMPTED, EXIT_PREEMPTED_K8S, EXIT_PEER_LOST)
+
+
+def noted_exit(path: str) -> tuple[int, int] | None:
+    """The code and restart round in DDPTRAIN_EXIT_FILE `path`; None if none is there."""
+    try:
+        with open(path) as f:
+            words = f.read().split()
+        return int(words[0]), int(words[1]) if len(words) > 1 else 0
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def note_exit(code: int, *, cause: bool = False) -> None:
+    """Tell a wrapping launcher the job's exit code. torchrun reports a worker's failure as
+    1 and, stopped by a signal, reports none; srun gives the highest of its nodes' codes. So
+    `scripts/launch.sh` and `scripts/slurm/run.sh` read it from DDPTRAIN_EXIT_FILE, as
+    "CODE ROUND" (ROUND: torchrun's restart count). Every rank notes its code, but a stopped one
+    (STOPPED) leaves in place a code of this round that is not: that of the rank that
+    failed of itself, which is the job's. `cause`: the agent notes the root cause it saw
+    over whatever is there."""
     path = os.environ.get("DDPTRAIN_EXIT_FILE")
-    if path and rank == 0:
-        with contextlib.suppress(OSError), open(path, "w") as f:
-            f.write(f"{code}\n")
+    if not path:
+        return
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    round_ = int(restart) if restart.isdigit() else 0
+    noted = noted_exit(path)
+    if cause and noted is not None:
+        round_ = max(round_, noted[1])  # the agent's environment has no round
+    elif code in STOPPED and noted is not None and noted[0] not in STOPPED and noted[1] >= round_:
+        return
+    # Ranks of several nodes may note at once: each writes its own file and renames it.
+    part = f"{path}.{socket.gethostname()}.{os.getpid()}"
+    with contextlib.suppress(OSError):
+        with open(part, "w") as f:
+            f.write(f"{code} {round_}\n")
+        os.replace(part, path)

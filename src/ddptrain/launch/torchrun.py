@@ -23,21 +23,23 @@ import signal
 import sys
 from typing import Any
 
-from ddptrain.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_PREEMPTED_K8S
+from ddptrain.launch.signals import STOPPED, note_exit
 
 # torchrun's modules log through loggers of these names (`elastic.utils.logging`)
 AGENT_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")
 
 
-# what a rank ends with when the agent stops it, or when a peer it waits on has ended
-STOPPED = (EXIT_PREEMPTED, EXIT_PREEMPTED_K8S, EXIT_PEER_LOST, -signal.SIGTERM)
+def stopped(code: int) -> bool:
+    """Whether a rank ended so because the job stopped it (the agent's SIGTERM, or a peer
+    it waited on gone), not of itself."""
+    return code in STOPPED or code == -signal.SIGTERM
 
 
 def root_cause(failures: dict[int, Any], first: int) -> int:
     """The rank that failed on its own, of torchrun's `failures` (global rank ->
     ProcessFailure): torchrun's `first` unless it is one the job stopped while another
     failed of itself (the earliest of those); `first` when every rank was stopped."""
-    own = [r for r, f in failures.items() if int(f.exitcode) not in STOPPED]
+    own = [r for r, f in failures.items() if not stopped(int(f.exitcode))]
     if not own or first in own:
         return first
     return min(own, key=lambda r: (failures[r].timestamp, r))
@@ -74,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         run(parse_args(argv))
     except ChildFailedError as exc:
         first, _ = exc.get_first_failure()
-        line, code = failure_report(exc.failures, root_cause(exc.failures, first))
+        cause = root_cause(exc.failures, first)
+        line, code = failure_report(exc.failures, cause)
+        if not stopped(int(exc.failures[cause].exitcode)):
+            note_exit(code, cause=True)  # over what a rank this job stopped noted
         if line is not None:
             sys.stderr.write(line + "\n")
         return code
