@@ -37,25 +37,36 @@ def _llama(seed: int) -> Any:
 
 
 def _fit_counting_reads(rank: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`fit_runs`, with the bytes this rank asked the safetensors files for in each run."""
+    """`fit_runs`, with the bytes this rank asked the safetensors files for in each run,
+    and the bytes of `hf/`'s weight files it wrote at the end."""
     from ddptrain.checkpoint.init import SafetensorsReader
+    from ddptrain.checkpoint.streamed import SafetensorsStream
 
     asked: list[int] = []
+    wrote: list[int] = []
     real = SafetensorsReader._process_read_request
+    real_write = SafetensorsStream.write
 
     def counting(self: Any, f: Any, req: Any, planner: Any) -> None:
         itemsize = self.storage_data[req.storage_index].dtype.itemsize
         asked.append(math.prod(req.lengths) * itemsize)
         real(self, f, req, planner)
 
+    def writing(self: Any, name: str, tensor: torch.Tensor) -> None:
+        if self.path.parent.name == ".hf.partial":
+            wrote.append(tensor.numel() * tensor.element_size())
+        real_write(self, name, tensor)
+
     SafetensorsReader._process_read_request = counting  # type: ignore[method-assign]
+    SafetensorsStream.write = writing  # type: ignore[method-assign]
     ctx = setup_distributed(TrainingConfig(**runs[0]).validate())
     clean, results = False, []
     try:
         for run in runs:
             asked.clear()
+            wrote.clear()
             (result,) = fit_in_group(ctx, [run])
-            results.append({**result, "read": sum(asked)})
+            results.append({**result, "read": sum(asked), "wrote": sum(wrote)})
         clean = True
     finally:
         teardown_distributed(clean)
@@ -63,9 +74,11 @@ def _fit_counting_reads(rank: int, runs: list[dict[str, Any]]) -> list[dict[str,
 
 
 @pytest.mark.slow
-def test_each_rank_reads_only_its_part_of_a_sharded_hugging_face_directory(
+def test_each_rank_reads_and_writes_only_its_part_of_a_sharded_hugging_face_directory(
     tmp_path: Path
 ) -> None:
+    """... and each writes about half of the run's `hf/` (weight files of at most 0.1 MB
+    here), which loads with `from_pretrained` as the run's `model.safetensors`."""
     _llama(0).save_pretrained(tmp_path / "base")
     source = tmp_path / "source"
     _llama(1).save_pretrained(source, max_shard_size="100KB")
@@ -75,7 +88,7 @@ def test_each_rank_reads_only_its_part_of_a_sharded_hugging_face_directory(
 
     def run(name: str, **fields: Any) -> dict[str, Any]:
         return {**RUN, "model": f"hf:{tmp_path / 'base'}", "init_from": str(source),
-                "output_dir": str(tmp_path / name), **fields}
+                "output_dir": str(tmp_path / name), "export_shard_mb": 0.1, **fields}
 
     (plain,) = fit_runs(0, [run("plain")])
     # the same global batch of 16 in each: ddp and fsdp split it over their 2 ranks
@@ -89,6 +102,9 @@ def test_each_rank_reads_only_its_part_of_a_sharded_hugging_face_directory(
             assert reads == [whole, whole], reads
         else:  # each reads about half; together all of it
             assert sum(reads) >= whole and max(reads) < 0.6 * whole, (layout, reads, whole)
+        wrote = [per_rank[r][i]["wrote"] for r in range(2)]
+        assert sum(wrote) == whole and max(wrote) < 0.7 * whole, (layout, wrote, whole)
+        _hf_is_the_runs_export(tmp_path / layout)
         got = per_rank[0][i]
         assert sorted(got["weights"]) == sorted(plain["weights"])
         for name, value in plain["weights"].items():
@@ -97,6 +113,22 @@ def test_each_rank_reads_only_its_part_of_a_sharded_hugging_face_directory(
     # the run started from the source's weights, not the base directory's
     assert not torch.equal(plain["weights"]["model.embed_tokens.weight"],
                            _llama(0).state_dict()["model.embed_tokens.weight"])
+
+
+def _hf_is_the_runs_export(run_dir: Path) -> None:
+    """The run's `hf/`: several weight files, with their index and checksums, loading with
+    `from_pretrained` as the run's `model.safetensors`."""
+    from ddptrain.checkpoint.export import read_safetensors_state
+    from ddptrain.files import sums_damage
+
+    hf = run_dir / "hf"
+    assert len(list(hf.glob("model-*-of-*.safetensors"))) >= 3
+    assert (hf / "model.safetensors.index.json").is_file() and sums_damage(hf) is None
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(hf).state_dict()
+    exported = read_safetensors_state(run_dir / "model.safetensors")
+    assert sorted(loaded) == sorted(exported)
+    for name, value in exported.items():
+        assert torch.equal(loaded[name], value), name
 
 
 def _init_error(rank: int, run: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ one process.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +197,12 @@ def test_pp_trains_the_adapters_one_process_trains(tmp_path: Path) -> None:
     done = run_torchrun(2, [*job, "--pp", "2", "--output_dir", str(tmp_path / "pp")],
                         cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    # the plan: the adapters' bytes rank 0 holds (its stage's half)
+    held = re.search(r"trained +([\d,]+) parameters \(([\d.]+) (B|KiB) of them on rank 0\)",
+                     done.stdout + done.stderr)
+    assert held is not None, done.stdout[-3000:]
+    on_rank0 = float(held[2]) * (1024 if held[3] == "KiB" else 1)
+    assert 0 < on_rank0 < 0.75 * 4 * int(held[1].replace(",", "")), held[0]
     for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
         a, b = load_file(str(tmp_path / "one" / name)), load_file(str(tmp_path / "pp" / name))
         assert a.keys() == b.keys()

@@ -353,6 +353,8 @@ class TrainingConfig:
         "last", "the weights model.safetensors (and hf/) hold at the end: the last step's, or "
         "those of the best validation epoch's checkpoint (as after --early_stopping)",
     )
+    export_shard_mb: float = _f(5000, "largest weight file of hf/ in MB (transformers' "
+                                "max_shard_size): a bigger model gets several, each by one rank")
     seed: int = _f(42, "seed of weights, data split, shuffling and workers")
     dry_run: bool = _f(False, "print the run's plan and resolved config, then exit")
     run_id: str | None = _f(None, "the run's id (set by ddptrain on a fresh start, kept on resume)")
@@ -405,7 +407,7 @@ class TrainingConfig:
             getattr(self, f"_check_{section}")()
         return self
 
-    def _at_least(self, minimum: int, fix: str, *names: str) -> None:
+    def _at_least(self, minimum: float, fix: str, *names: str) -> None:
         for name in names:
             value = getattr(self, name)
             if value is not None and value < minimum:
@@ -516,6 +518,7 @@ class TrainingConfig:
             _bad("preempt_exit_code", self.preempt_exit_code, "use an exit code in 1..255")
         if self.export_ema and self.ema_decay is None:
             _bad("export_ema", True, "add --ema_decay D: there is no average to export")
+        self._at_least(1e-6, "use a positive number of MB", "export_shard_mb")
 
     def _check_observe(self) -> None:
         self._at_least(1, "use a whole number of at least 1", "log_interval")

@@ -38,7 +38,7 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "checkpoint": ("the run directory, checkpoints and what the run leaves", (
         "output_dir", "checkpoint_dir", "save_every", "save_every_steps", "keep_last",
         "resume_from", "checkpoint_format", "async_checkpoint", "checkpoint_timeout_s",
-        "preempt_exit_code", "export", "export_ema",
+        "preempt_exit_code", "export", "export_ema", "export_shard_mb",
     )),
     "observe": ("logs, curves, trackers and the profiler", (
         "log_interval", "tensorboard", "curves", "tracker", "enable_profiling",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 import os
 import pickle
 import re
@@ -504,20 +505,44 @@ def load_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any] | None 
 
 
 def model_state_from_dir(path: Path) -> dict[str, torch.Tensor]:
-    """The whole model state of a step directory, in one process (no process group):
-    for `ddptrain export`, whatever world size wrote it."""
+    """The whole model state of a step directory, in one process (no process group),
+    whatever world size wrote it."""
+    _, chunks = model_chunks_from_dir(path, budget=None)
+    return {name: t for chunk in chunks for name, t in chunk.items()}
+
+
+def model_chunks_from_dir(
+    path: Path, budget: int | None = 1 << 30
+) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[dict[str, torch.Tensor]]]:
+    """The model tensors of a step directory (name, shape, dtype) and, read a few at a
+    time (at most `budget` bytes a read, or one bigger tensor; None: all at once), the
+    tensors themselves: `ddptrain export` never holds the whole model."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = check_metadata(path)
-    template = {
-        key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
+    entries = [
+        (key.removeprefix("model."), tuple(md.size), md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
-    }
-    state = {"model": template}
-    with quiet_without_group():
-        dcp.load(
-            state, checkpoint_id=path, no_dist=True, storage_reader=SafeReader(str(path)),
-            planner=SafeLoadPlanner(),
-        )
-    return state["model"]
+    ]
+
+    def chunks() -> Iterator[dict[str, torch.Tensor]]:
+        chunk: dict[str, torch.Tensor] = {}
+        size = 0
+        for i, (name, shape, dtype) in enumerate(entries):
+            chunk[name] = torch.empty(shape, dtype=dtype)
+            size += chunk[name].numel() * dtype.itemsize
+            last = i == len(entries) - 1
+            if last or (budget is not None and size + _bytes(entries[i + 1]) > budget):
+                state = {"model": chunk}
+                with quiet_without_group():
+                    dcp.load(state, checkpoint_id=path, no_dist=True,
+                             storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+                yield state["model"]
+                chunk, size = {}, 0
+
+    return entries, chunks()
+
+
+def _bytes(entry: tuple[str, tuple[int, ...], torch.dtype]) -> int:
+    return math.prod(entry[1]) * entry[2].itemsize

@@ -5,14 +5,19 @@ Hugging Face model also `hf/`, a `save_pretrained` directory (`export_hf_dir`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ddptrain.checkpoint.common import CheckpointError, first_line
+from ddptrain.checkpoint.common import CheckpointError, first_line, link_or_copy
 from ddptrain.checkpoint.integrity import (
     SAFETENSORS_SUMS,
     safetensors_damage,
@@ -21,9 +26,28 @@ from ddptrain.checkpoint.integrity import (
     tensors_damage,
 )
 from ddptrain.checkpoint.manager import load_checkpoint
+from ddptrain.checkpoint.streamed import (
+    HF_SHARD_BYTES,
+    Catalog,
+    Item,
+    SafetensorsStream,
+    hf_shards,
+    plain_items,
+    shard_names,
+    write_file,
+)
 from ddptrain.context import DistributedContext
-from ddptrain.files import check_output, refuse_special, staged, staged_dir, write_sums
-from ddptrain.parallel.lora import ADAPTER, LoraSpec, is_adapter
+from ddptrain.files import (
+    SUMS_FILE,
+    atomic_write_text,
+    check_output,
+    refuse_special,
+    staged,
+    staged_dir,
+    temp_name,
+    write_sums,
+)
+from ddptrain.parallel.lora import ADAPTER, LoraSpec, is_adapter, merged
 
 
 def export_safetensors_state(state: dict[str, torch.Tensor], out: Path,
@@ -59,8 +83,25 @@ def export_safetensors(checkpoint: Path, out: Path, overwrite: bool = False) -> 
     """`ddptrain export`: the whole model of a checkpoint (a `.pt` file or a DCP step
     directory of any world size), for inference; a damaged checkpoint is refused, and an
     existing `out` replaced only with `overwrite`."""
+    from ddptrain.checkpoint.dcp import check_shards, follow_pointer, model_chunks_from_dir
+
     check_output(out, "output", overwrite)
-    return export_safetensors_state(checkpoint_model_state(checkpoint), out, overwrite)
+    checkpoint = follow_pointer(checkpoint)
+    if not checkpoint.is_dir():
+        return export_safetensors_state(checkpoint_model_state(checkpoint), out, overwrite)
+    # A step directory: read and written a few tensors at a time, never the whole model.
+    meta = load_checkpoint(checkpoint, torch.device("cpu"))  # whole, written by ddptrain
+    check_shards(checkpoint, meta, DistributedContext(0, 0, 1, torch.device("cpu")))
+    entries, chunks = model_chunks_from_dir(checkpoint)
+    with staged(out, overwrite) as tmp:
+        stream = SafetensorsStream(tmp, entries, {"format": "pt"})
+        try:
+            for chunk in chunks:
+                for name, tensor in chunk.items():
+                    stream.write(name, tensor)
+        finally:
+            stream.close()
+    return len(entries)
 
 
 def checkpoint_model_state(
@@ -163,13 +204,18 @@ def export_hf_dir(
         module.save_pretrained(  # type: ignore[operator]
             partial, state_dict=state, safe_serialization=True, is_main_process=True
         )
-        if source is not None:
-            for pattern in TOKENIZER_FILES:
-                for file in source.glob(pattern):
-                    if file.is_file() and not (partial / file.name).exists():
-                        shutil.copy2(file, partial / file.name)
+        _copy_tokenizer(source, partial)
         # its weight shards' checksums, checked before `hf:DIR` or `--init_from DIR` uses them
         write_sums(partial, [p.name for p in partial.glob("*.safetensors")])
+
+
+def _copy_tokenizer(source: Path | None, directory: Path) -> None:
+    """The tokenizer files of the directory a model came from, copied into its export."""
+    if source is not None:
+        for pattern in TOKENIZER_FILES:
+            for file in source.glob(pattern):
+                if file.is_file() and not (directory / file.name).exists():
+                    shutil.copy2(file, directory / file.name)
 
 
 def export_adapter(state: dict[str, torch.Tensor], out: Path, lora: LoraSpec) -> None:
@@ -182,3 +228,113 @@ def export_adapter(state: dict[str, torch.Tensor], out: Path, lora: LoraSpec) ->
         export_safetensors_state(weights, partial / "adapter_model.safetensors")
         lora.peft_config().save_pretrained(str(partial))
         write_sums(partial, ["adapter_model.safetensors"])
+
+
+def export_streamed(catalog: Catalog, ties: list[list[str]], out: Path,
+                    lora: LoraSpec | None = None) -> None:
+    """Collective: `out` (`model.safetensors`) written by rank 0 one whole tensor at a
+    time from what the ranks hold (`checkpoint.streamed`): the module's plain state, tied
+    tensors once (their aliases in the metadata, as `export_safetensors_state` has them),
+    LoRA layers merged."""
+    items, aliases = plain_items(catalog, ties, lora)
+    metadata = {"format": "pt", **{f"tied:{a}": n for a, n in aliases.items()}}
+    main = catalog.ctx.is_main
+    with staged(out) if main else contextlib.nullcontext(None) as tmp:
+        write_file(catalog, items, tmp, 0, metadata)
+
+
+def export_adapter_streamed(catalog: Catalog, out: Path, lora: LoraSpec) -> None:
+    """Collective: peft's adapter directory (`export_adapter`) on rank 0, the adapters
+    (small) sent whole to it."""
+    items = [Item(name, (name,)) for name in catalog.meta if is_adapter(name)]
+    adapters = dict((item.name, t) for item, t in catalog.items(items, 0))
+    if catalog.ctx.is_main:
+        export_adapter(adapters, out, lora)
+
+
+def export_hf_streamed(module: nn.Module, catalog: Catalog, ties: list[list[str]], out: Path,
+                       source: Path | None, lora: LoraSpec | None = None,
+                       shard_bytes: int = HF_SHARD_BYTES) -> None:
+    """Collective: the `save_pretrained` directory (`export_hf_dir`'s) written by the
+    ranks: weight file i by rank i mod world size, each tensor sent whole to its writer;
+    rank 0 adds the config, the index of a sharded model, the tokenizer files of `source`
+    and the files' checksums (from what each writer summed as it wrote)."""
+    ctx = catalog.ctx
+    items, _ = plain_items(catalog, ties, lora)  # a tied alias left out: the model reties
+    shards = hf_shards(catalog, items, shard_bytes)
+    names = shard_names(len(shards))
+    with staged_dir(out) if ctx.is_main else contextlib.nullcontext(None) as partial:
+        where = [partial]
+        if ctx.distributed:
+            dist.broadcast_object_list(where, src=0)  # after rank 0 made it
+        directory = where[0]
+        assert directory is not None
+        sums = {}
+        for i, (name, shard) in enumerate(zip(names, shards, strict=True)):
+            writer = i % ctx.world_size
+            got = write_file(catalog, shard, directory / name, writer, {"format": "pt"})
+            if got is not None:
+                sums[name] = got
+        every: list[Any] = [sums]
+        if ctx.distributed:
+            every = [None] * ctx.world_size
+            dist.all_gather_object(every, sums)  # every file closed before rank 0 goes on
+        if not ctx.is_main:
+            return
+        config: Any = module.config
+        config.architectures = [type(module).__name__]
+        config.save_pretrained(directory)
+        generation = getattr(module, "generation_config", None)
+        if generation is not None and module.can_generate():  # type: ignore[operator]
+            generation.save_pretrained(directory)
+        if len(shards) > 1:
+            weight_map = {item.name: name for name, shard in zip(names, shards, strict=True)
+                          for item in shard}
+            total = sum(catalog.nbytes(item.sources[0]) for item in items)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            atomic_write_text(directory / "model.safetensors.index.json",
+                              json.dumps(index, indent=2) + "\n")
+        _copy_tokenizer(source, directory)
+        written = {k: v for part in every for k, v in part.items()}
+        atomic_write_text(directory / SUMS_FILE, json.dumps(written, indent=1, sort_keys=True)
+                          + "\n")
+
+
+def export_run(module: nn.Module, strategy: Any, ctx: DistributedContext, run_dir: Path, *,
+               lora: LoraSpec | None, averaged: Callable[[], Any] | None, export_ema: bool,
+               hf: bool, source: Path | None, shard_bytes: int = HF_SHARD_BYTES) -> None:
+    """Collective: a run's exports from what each rank holds, no rank holding the whole
+    model: `model.safetensors` (with an EMA `averaged` also `model_ema.safetensors`; with
+    `export_ema` the averages are `model.safetensors` and the raw weights
+    `model_raw.safetensors`), LoRA's `adapter/` (the weights merged), and for a Hugging
+    Face model `hf/` (files of at most `shard_bytes`)."""
+    plan: list[tuple[list[str], Callable[[], Any] | None]] = [(["model.safetensors"], None)]
+    if averaged is not None:  # --export_ema: model.safetensors a second name of the averages
+        plan = [(["model_raw.safetensors" if export_ema else "model.safetensors"], None),
+                (["model_ema.safetensors", *(["model.safetensors"] if export_ema else [])],
+                 averaged)]
+    for names, swap in plan:
+        with swap() if swap is not None else contextlib.nullcontext():
+            catalog = Catalog(strategy.export_state(module), ctx)
+            ties = strategy.ties(module)
+            if swap is None and lora is not None:
+                export_adapter_streamed(catalog, run_dir / "adapter", lora)
+            export_streamed(catalog, ties, run_dir / names[0], lora)
+            if ctx.is_main and len(names) > 1:
+                tmp = temp_name(run_dir / names[1])
+                link_or_copy(run_dir / names[0], tmp)
+                os.replace(tmp, run_dir / names[1])
+            if not hf or "model.safetensors" not in names:
+                continue
+            from transformers.conversion_mapping import get_model_conversion_mapping
+
+            if not get_model_conversion_mapping(cast(Any, module), add_legacy=False):
+                export_hf_streamed(module, catalog, ties, run_dir / "hf", source, lora,
+                                   shard_bytes)
+                continue
+            # transformers renames this model's weights as it saves them: its own
+            # save_pretrained, from the whole state (gathered on rank 0)
+            state = strategy.model_state(module)
+            if ctx.is_main:
+                whole = merged(state, lora) if lora is not None else state
+                export_hf_dir(module, whole, run_dir / "hf", source)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -195,6 +196,21 @@ class Strategy:
     def model_state(self, module: nn.Module) -> State:
         """Collective. The whole model state with the user module's names, on rank 0."""
         return module.state_dict()
+
+    def export_state(self, module: nn.Module) -> State:
+        """Collective. This rank's part of the model state, under the user module's names,
+        as it holds it (DTensors where it is sharded; a pipeline stage's own tensors):
+        `checkpoint.streamed` makes each tensor whole where it is written."""
+        self.share_buffers(module)
+        return get_model_state_dict(module)
+
+    def ties(self, module: nn.Module) -> list[list[str]]:
+        """Groups of names that are one tensor (a tied embedding and head), first name first."""
+        groups: dict[int, list[str]] = {}
+        for name, t in [*module.named_parameters(remove_duplicate=False),
+                        *module.named_buffers(remove_duplicate=False)]:
+            groups.setdefault(id(t), []).append(name)
+        return [names for names in groups.values() if len(names) > 1]
 
     def sharded_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer

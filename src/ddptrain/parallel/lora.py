@@ -181,13 +181,18 @@ def merged(state: dict[str, torch.Tensor], spec: LoraSpec) -> dict[str, torch.Te
         if not key.endswith(f".lora_A.{ADAPTER}.weight"):
             continue
         layer = key.removesuffix(f".lora_A.{ADAPTER}.weight")
-        a, b = state[key], state[f"{layer}.lora_B.{ADAPTER}.weight"]
-        weight = out[f"{layer}.weight"]
-        delta = (b.float() @ a.float()) * spec.scale
-        if layer in spec.flipped:
-            delta = delta.T
-        out[f"{layer}.weight"] = (weight.float() + delta).to(weight.dtype)
+        b = state[f"{layer}.lora_B.{ADAPTER}.weight"]
+        out[f"{layer}.weight"] = merge_one(out[f"{layer}.weight"], state[key], b, layer, spec)
     return out
+
+
+def merge_one(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer: str,
+              spec: LoraSpec) -> torch.Tensor:
+    """One wrapped layer's weight with its adapters merged in (whole tensors)."""
+    delta = (b.float() @ a.float()) * spec.scale
+    if layer in spec.flipped:
+        delta = delta.T
+    return (weight.float() + delta).to(weight.dtype)
 
 
 def tp_plan_with_adapters(root: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:

@@ -296,6 +296,9 @@ class Pipeline(FSDP):
         back = {whole: mine for mine, whole in self._canonical.items()}
         super().load_state(module, optimizer, model, _renamed(optim, back), full)
 
+    def ties(self, module: nn.Module) -> list[list[str]]:
+        return self._ties  # a copy on each stage that holds it, kept equal
+
     def model_state(self, module: nn.Module) -> State:
         """Collective. Each stage's tensors gathered over its data-parallel ranks, then the
         stages' parts joined on rank 0."""

@@ -81,6 +81,7 @@ class RunPlan:
     data_ranks: int | None = None  # ranks with their own batches, when not every rank (--tp)
     frozen: int | None = None  # parameters --freeze keeps from training (None: no model yet)
     groups: tuple[str, ...] = ()  # the optimizer's parameter groups, one line each
+    trained_bytes: int | None = None  # of the trained parameters (LoRA's adapters), on rank 0
 
     @property
     def samples_per_epoch(self) -> int | None:
@@ -91,6 +92,7 @@ def make_plan(
     config: TrainingConfig, data: DataBundle, world_size: int, device: str, backend: str,
     precision: str, task: str, parameters: int | None, strategy: StrategyChoice,
     steps: int | None = None, frozen: int | None = None, groups: list[str] | None = None,
+    trained_bytes: int | None = None,
 ) -> RunPlan:
     """`steps`: optimizer steps per epoch as the trainer's batches counted them (derived
     from the data when no trainer exists yet: the dry run)."""
@@ -122,6 +124,7 @@ def make_plan(
         ),
         device_bytes=strategy.device_bytes, largest=strategy.largest_models(optimizer_slots(cfg)),
         classes=_classes(data, task), frozen=frozen, groups=tuple(groups or ()),
+        trained_bytes=trained_bytes,
     )
 
 
@@ -185,7 +188,9 @@ def format_plan(plan: RunPlan, config: TrainingConfig) -> str:
     if plan.frozen is not None and plan.parameters is not None:
         why = (f" (LoRA adapters of rank {config.lora_rank} train, the model is frozen)"
                if config.lora_rank else " (--freeze)" if plan.frozen else "")
-        lines.append(f"trained         {plan.parameters - plan.frozen:,} parameters, "
+        held = ("" if plan.trained_bytes is None or plan.world_size == 1
+                else f" ({human_bytes(plan.trained_bytes)} of them on rank 0)")
+        lines.append(f"trained         {plan.parameters - plan.frozen:,} parameters{held}, "
                      f"{plan.frozen:,} frozen{why}")
     if plan.groups:
         lines.append(f"optimizer       {_optimizer_name(config)}, {len(plan.groups)} "

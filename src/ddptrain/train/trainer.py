@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.checkpoint import Checkpointer, Progress, export_safetensors_state
-from ddptrain.checkpoint.export import export_adapter, export_hf_dir
+from ddptrain.checkpoint import Checkpointer, Progress
+from ddptrain.checkpoint.export import export_run
 from ddptrain.checkpoint.init import load_initial_weights
 from ddptrain.checkpoint.rng import gather_rng_states, seed_process
 from ddptrain.context import DistributedContext, gather_to_main
@@ -60,7 +60,8 @@ from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.startup import Phases
 from ddptrain.observe.trackers import tracker_hooks
 from ddptrain.observe.writer import RunLogError
-from ddptrain.parallel.lora import LoraSpec, adapt, merged
+from ddptrain.parallel.base import nbytes
+from ddptrain.parallel.lora import LoraSpec, adapt
 from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.parallel.mesh import attach_mesh
 from ddptrain.parallel.parts import prepare_module
@@ -126,6 +127,7 @@ class Trainer:
             self.module, config.freeze, config.activation_checkpointing, config.fsdp_wrap,
             self.precision.float8, self.choice.name == "fsdp",
         )
+        self.parameter_count = sum(p.numel() for p in self.module.parameters())  # before pp
         # Wrapped (or sharded in place) before the optimizer sees the parameters: under
         # fsdp they become shards, and a checkpoint loads into the shards.
         self.model: Any = self.strategy.setup_module(self.module)  # maybe compiled below
@@ -305,27 +307,13 @@ class Trainer:
         return summary
 
     def _export(self) -> None:
-        """`model.safetensors` on rank 0 (and `model_ema.safetensors` with an EMA; with
-        --export_ema that is the main export, the raw weights `model_raw.safetensors`)."""
-        run_dir, lora = self.config.run_dir, self.lora
-        weights = self.strategy.model_state(self.module)  # collective under fsdp
-        files = {"model.safetensors": weights}
-        if self.ema is not None:
-            with self.ema.swapped():  # copied: a whole module's state is its own tensors
-                state = self.strategy.model_state(self.module)
-                averaged = {k: v.detach().clone() for k, v in state.items()}
-            files["model_ema.safetensors"] = averaged
-            if self.config.export_ema:
-                files.update({"model.safetensors": averaged, "model_raw.safetensors": weights})
-        if self.ctx.is_main:
-            if lora is not None:  # the adapters as peft's directory; the weights merged
-                export_adapter(weights, run_dir / "adapter", lora)
-                files = {name: merged(state, lora) for name, state in files.items()}
-            for name, state in files.items():
-                export_safetensors_state(state, run_dir / name)
-            if is_hf_model(self.module):  # also as a save_pretrained directory
-                source = hf_dir(self.config.model) if is_hf_ref(self.config.model) else None
-                export_hf_dir(self.module, files["model.safetensors"], run_dir / "hf", source)
+        """`model.safetensors` and the rest, written by the ranks (`export_run`)."""
+        model = self.config.model
+        export_run(self.module, self.strategy, self.ctx, self.config.run_dir, lora=self.lora,
+                   averaged=self.ema.swapped if self.ema is not None else None,
+                   export_ema=self.config.export_ema, hf=is_hf_model(self.module),
+                   source=hf_dir(model) if is_hf_ref(model) else None,
+                   shard_bytes=int(self.config.export_shard_mb * 10**6))
 
     def _epoch(self, epoch: int) -> dict[str, float]:
         """Train one epoch, validate, checkpoint when due or when it is the best so far."""
@@ -485,8 +473,9 @@ class Trainer:
         return make_plan(
             self.config, self.data, self.ctx.world_size, str(self.ctx.device),
             self.ctx.backend or "none", self.precision.describe(), self.task.name,
-            sum(p.numel() for p in self.module.parameters()), self.choice,
+            self.parameter_count, self.choice,
             self.steps_per_epoch, frozen=self.frozen, groups=self.optimization.lines,
+            trained_bytes=sum(nbytes(p) for p in self.module.parameters() if p.requires_grad),
         )
 
     def _save_mid_epoch(

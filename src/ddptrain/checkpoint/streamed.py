@@ -1,0 +1,248 @@
+"""Whole weights written by the ranks, one tensor at a time: `model.safetensors` and a
+Hugging Face `hf/` directory from any layout without any rank holding the whole model.
+
+Every rank lists what it holds (names, global shapes, dtypes: `Catalog`, one small
+all-gather). Each output file has one writer rank (`model.safetensors`: rank 0; the
+shards of `hf/`: spread over the ranks). The ranks then walk the tensors in one order: a
+sharded tensor (a DTensor: fsdp, tp) is made whole by the ranks that hold it, a stage's
+tensor (pp) is taken by the first rank that holds it, and either is sent to the file's
+writer when that rank does not hold it. A writer thus holds its own shard and one whole
+tensor; it streams each tensor into its file behind a header written last (the checksums
+are of the bytes as they go out), and each file's checksum comes from its tensors' without
+reading it back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddptrain.checkpoint.integrity import SAFETENSORS_SUMS, crc32_combine, tensor_crcs
+from ddptrain.context import DistributedContext
+
+# safetensors' names of torch's dtypes
+DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+HF_SHARD_BYTES = 5 * 10**9  # transformers' own default largest shard (`max_shard_size`)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One tensor of an output file: its name there, the names it is made of (one, or a
+    LoRA layer's base weight and adapters) and how (None: the one tensor as it is)."""
+
+    name: str
+    sources: tuple[str, ...]
+    combine: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+
+
+class Catalog:
+    """What every rank holds of a module's state (collective to build: one all-gather of
+    names, shapes and dtypes), and the whole tensors sent to the ranks that write them."""
+
+    def __init__(self, local: dict[str, torch.Tensor], ctx: DistributedContext) -> None:
+        self.local, self.ctx = local, ctx
+        mine = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch."), _is_dtensor(t))
+                for n, t in local.items()]
+        every: list[Any] = [mine]
+        if ctx.distributed:
+            every = [None] * ctx.world_size
+            dist.all_gather_object(every, mine)
+        self.holders: dict[str, list[int]] = {}
+        self.meta: dict[str, tuple[tuple[int, ...], torch.dtype, bool]] = {}
+        for rank, listed in enumerate(every):  # rank 0's order first: the same on every rank
+            for name, shape, dtype, dtensor in listed:
+                self.holders.setdefault(name, []).append(rank)
+                self.meta.setdefault(name, (shape, getattr(torch, dtype), dtensor))
+
+    def nbytes(self, name: str) -> int:
+        shape, dtype, _ = self.meta[name]
+        return math.prod(shape) * dtype.itemsize
+
+    def whole(self, name: str, writer: int) -> torch.Tensor | None:
+        """Collective over the ranks that hold `name` and `writer`: the whole tensor, on
+        the CPU, on `writer`; None on every other rank."""
+        rank, holders = self.ctx.rank, self.holders[name]
+        shape, dtype, dtensor = self.meta[name]
+        t = self.local.get(name)
+        if t is not None:
+            t = t.detach()
+            if dtensor:
+                t = t.full_tensor()  # type: ignore[attr-defined]  # every holder takes part
+        source = writer if writer in holders else holders[0]
+        if source == writer:
+            return t.cpu() if rank == writer and t is not None else None
+        device = self.ctx.device if self.ctx.backend == "nccl" else torch.device("cpu")
+        if rank == source:
+            assert t is not None
+            dist.send(t.to(device).contiguous(), dst=writer)
+        elif rank == writer:
+            got = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(got, src=source)
+            return got.cpu()
+        return None
+
+    def items(self, items: list[Item], writer: int) -> Iterator[tuple[Item, torch.Tensor]]:
+        """Collective: each of `items`, whole, on `writer` (which alone gets any)."""
+        for item in items:
+            parts = [self.whole(name, writer) for name in item.sources]
+            if self.ctx.rank == writer:
+                wholes = [p for p in parts if p is not None]
+                yield item, item.combine(wholes) if item.combine else wholes[0]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "full_tensor") and hasattr(t, "device_mesh")
+
+
+class SafetensorsStream:
+    """A safetensors file written one tensor at a time: the header's room is kept first
+    (its checksums at their widest), the tensors follow, the header goes in last."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 metadata: dict[str, str]) -> None:
+        self.path, self.metadata = path, dict(metadata)
+        self.header: dict[str, Any] = {}
+        offset = 0
+        for name, shape, dtype in entries:
+            size = math.prod(shape) * dtype.itemsize
+            self.header[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
+                                 "data_offsets": [offset, offset + size]}
+            offset += size
+        self.sums: dict[str, list[int]] = {name: [0, 0] for name, _, _ in entries}
+        widest = {name: [info["data_offsets"][1], 2**32 - 1]
+                  for name, info in self.header.items()}
+        room = len(self._header_bytes(widest))
+        self.room = room + (-room) % 8  # the data starts 8-byte aligned, as safetensors has it
+        self.data_crc, self.data_len = 0, 0
+        self.file = path.open("wb")
+        self.file.write(b"\0" * (8 + self.room))
+
+    def _header_bytes(self, sums: dict[str, list[int]]) -> bytes:
+        metadata = {**self.metadata, SAFETENSORS_SUMS: json.dumps(sums, separators=(",", ":"))}
+        return json.dumps({"__metadata__": metadata, **self.header},
+                          separators=(",", ":")).encode()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        info = self.header[name]
+        if (DTYPES[tensor.dtype], list(tensor.shape)) != (info["dtype"], info["shape"]):
+            raise ValueError(f"{name}: {tensor.dtype} {list(tensor.shape)} is not what the "
+                             f"header says, {info['dtype']} {info['shape']}")
+        tensor = tensor.contiguous()
+        size, crc = tensor_crcs([tensor])[0]
+        self.sums[name] = [size, crc]
+        if size:
+            data: Any = tensor.view(-1).view(torch.uint8).numpy()  # the bytes, not copied
+            self.file.write(data)
+        self.data_crc = crc32_combine(self.data_crc, crc, size) if self.data_len else crc
+        self.data_len += size
+
+    def close(self) -> list[int]:
+        """Write the header; [bytes, crc32] of the whole file (`files.file_crc`'s)."""
+        text = self._header_bytes(self.sums)
+        head = struct.pack("<Q", self.room) + text + b" " * (self.room - len(text))
+        self.file.seek(0)
+        self.file.write(head)
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        crc = zlib.crc32(head)
+        if self.data_len:
+            crc = crc32_combine(crc, self.data_crc, self.data_len)
+        return [len(head) + self.data_len, crc]
+
+
+def write_file(catalog: Catalog, items: list[Item], path: Path | None, writer: int,
+               metadata: dict[str, str]) -> list[int] | None:
+    """Collective: `items` written to the safetensors file `path` by rank `writer` (whose
+    `path` it is; other ranks may pass None); the file's [bytes, crc32] there."""
+    stream = None
+    if catalog.ctx.rank == writer:
+        assert path is not None
+        entries = [(i.name, *_shape_of(catalog, i)) for i in items]
+        stream = SafetensorsStream(path, entries, metadata)
+    try:
+        for item, tensor in catalog.items(items, writer):
+            assert stream is not None
+            stream.write(item.name, tensor)
+    except BaseException:
+        if stream is not None:
+            stream.file.close()
+        raise
+    return stream.close() if stream is not None else None
+
+
+def _shape_of(catalog: Catalog, item: Item) -> tuple[tuple[int, ...], torch.dtype]:
+    shape, dtype, _ = catalog.meta[item.sources[0]]  # a merged LoRA weight keeps its base's
+    return shape, dtype
+
+
+def plain_items(catalog: Catalog, ties: list[list[str]],
+                lora: Any = None) -> tuple[list[Item], dict[str, str]]:
+    """The items of the module's plain state: a tied tensor once (under its first name;
+    {alias: kept name} returned), a LoRA layer's weight merged with its adapters and the
+    adapters left out (`parallel.lora.merged`'s rule, tensor by tensor)."""
+    from ddptrain.parallel.lora import ADAPTER, base_name, is_adapter
+
+    aliases = {alias: group[0] for group in ties for alias in group[1:]
+               if group[0] in catalog.meta}
+    items: list[Item] = []
+    for name in catalog.meta:
+        if name in aliases or is_adapter(name):
+            continue
+        layer = name.removesuffix(".base_layer.weight")
+        a = f"{layer}.lora_A.{ADAPTER}.weight"
+        if lora is not None and layer != name and a in catalog.meta:
+            b = f"{layer}.lora_B.{ADAPTER}.weight"
+            items.append(Item(f"{layer}.weight", (name, a, b), _merging(layer, lora)))
+        else:
+            items.append(Item(base_name(name), (name,)))
+    renamed = {i.sources[0]: i.name for i in items}
+    return items, {base_name(a): renamed.get(k, k) for a, k in aliases.items()}
+
+
+def _merging(layer: str, lora: Any) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    from ddptrain.parallel.lora import merge_one
+
+    def merge(parts: list[torch.Tensor]) -> torch.Tensor:
+        weight, a, b = parts
+        return merge_one(weight, a, b, layer, lora)
+
+    return merge
+
+
+def hf_shards(catalog: Catalog, items: list[Item], limit: int = HF_SHARD_BYTES
+              ) -> list[list[Item]]:
+    """`items` cut into files of at most `limit` bytes (a bigger tensor alone in one)."""
+    shards: list[list[Item]] = [[]]
+    size = 0
+    for item in items:
+        n = catalog.nbytes(item.sources[0])
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += n
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    """transformers' names for a model's weight files."""
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
