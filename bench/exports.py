@@ -10,7 +10,8 @@ growth (the high-water mark reset just before).
 
     .venv/bin/python bench/exports.py [--layers 8] [--cases streamed,gathered]
 
-Prints a markdown table (docs/BENCHMARKS.md, "Exports of a sharded model").
+Prints a markdown table: its rows go into docs/BENCHMARKS.md between
+`<!-- exports:start -->` and `<!-- exports:end -->`.
 """
 
 from __future__ import annotations
