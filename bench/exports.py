@@ -57,11 +57,7 @@ def _rank(rank: int, port: int, layers: int, case: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ddptrain.checkpoint.export import (
-        export_hf_streamed,
-        export_safetensors_state,
-        export_streamed,
-    )
+    from ddptrain.checkpoint.export import HfExport, export_safetensors_state, export_streamed
     from ddptrain.checkpoint.streamed import Catalog
     from ddptrain.context import DistributedContext
 
@@ -93,8 +89,8 @@ def _rank(rank: int, port: int, layers: int, case: str, out: str) -> None:
     rss0, w0, t0 = _status("VmRSS"), _wchar(), time.perf_counter()
     if case == "streamed":
         catalog = Catalog(get_model_state_dict(model), ctx)
-        export_streamed(catalog, [], run / "model.safetensors")
-        export_hf_streamed(model, catalog, [], run / "hf", None, shard_bytes=400 * 10**6)
+        export_streamed(catalog, [], run / "model.safetensors",
+                        hf=HfExport(model, run / "hf", shard_bytes=400 * 10**6))
     else:
         state = get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

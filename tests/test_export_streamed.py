@@ -28,7 +28,7 @@ def test_a_streamed_file_is_a_safetensors_file_with_its_checksums(tmp_path: Path
     path = tmp_path / "w.safetensors"
     stream = SafetensorsStream(path, [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()],
                                {"format": "pt", "tied:head": "a.weight"})
-    for name, value in tensors.items():
+    for name, value in reversed(tensors.items()):  # each at its place, in any order
         stream.write(name, value)
     assert stream.close() == file_crc(path)  # the file's checksum, without reading it back
     header = int.from_bytes(path.read_bytes()[:8], "little")
@@ -43,6 +43,11 @@ def test_a_streamed_file_is_a_safetensors_file_with_its_checksums(tmp_path: Path
     assert safetensors_damage(got, metadata) is None
     got["b"][0] += 1
     assert safetensors_damage(got, metadata) is not None
+    short = SafetensorsStream(tmp_path / "short.safetensors", [("a", (2,), torch.float32),
+                                                              ("b", (2,), torch.float32)], {})
+    short.write("b", torch.ones(2))
+    with pytest.raises(ValueError, match="1 tensor\\(s\\) never written, a first"):
+        short.close()
 
 
 def _export_from_shards_and_stages(rank: int, out: str) -> dict[str, Any]:
@@ -53,7 +58,7 @@ def _export_from_shards_and_stages(rank: int, out: str) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     from ddptrain.checkpoint.export import export_streamed
-    from ddptrain.checkpoint.streamed import Catalog, Item, write_file
+    from ddptrain.checkpoint.streamed import Catalog, Item, Target, write_files
     from ddptrain.context import DistributedContext
 
     dist.init_process_group("gloo")
@@ -71,10 +76,11 @@ def _export_from_shards_and_stages(rank: int, out: str) -> dict[str, Any]:
         "first.weight" if rank == 0 else "last.weight"]
     catalog = Catalog(local, ctx)
     export_streamed(catalog, [["0.weight", "tied.weight"]], Path(out) / "model.safetensors")
-    # rank 1 writes: rank 0's stage tensor is sent to it
+    # rank 1 writes one file and rank 0 another, in one walk: rank 0's stage tensor is
+    # sent to rank 1, rank 1's to rank 0, a sharded one made whole once for both
     items = [Item(name, (name,)) for name in catalog.meta]
-    got = write_file(catalog, items, Path(out) / "by1.safetensors" if rank == 1 else None,
-                     1, {"format": "pt"})
+    got = write_files(catalog, [Target(Path(out) / "by1.safetensors", 1, items, {}),
+                                Target(Path(out) / "by0.safetensors", 0, items[::-1], {})])
     dist.barrier()
     dist.destroy_process_group()
     return {"whole": whole, "sums": got}
@@ -93,12 +99,13 @@ def test_two_ranks_send_each_tensor_whole_to_its_writer(tmp_path: Path) -> None:
     for name, value in whole.items():
         assert torch.equal(exported[name], value), name
     assert exported["tied.weight"] is exported["0.weight"]
-    by1 = load_file(tmp_path / "by1.safetensors")
-    assert sorted(by1) == sorted(whole)
-    for name, value in whole.items():
-        assert torch.equal(by1[name], value), name
-    assert results[0]["sums"] is None and results[1]["sums"] == file_crc(
-        tmp_path / "by1.safetensors")
+    for rank in (0, 1):
+        path = tmp_path / f"by{rank}.safetensors"
+        written = load_file(path)
+        assert sorted(written) == sorted(whole)
+        for name, value in whole.items():
+            assert torch.equal(written[name], value), name
+        assert results[rank]["sums"] == {path: file_crc(path)}
 
 
 def test_export_of_a_step_directory_reads_a_few_tensors_at_a_time(

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,10 +32,11 @@ from ddptrain.checkpoint.streamed import (
     Catalog,
     Item,
     SafetensorsStream,
+    Target,
     hf_shards,
     plain_items,
     shard_names,
-    write_file,
+    write_files,
 )
 from ddptrain.context import DistributedContext
 from ddptrain.files import (
@@ -230,74 +232,84 @@ def export_adapter(state: dict[str, torch.Tensor], out: Path, lora: LoraSpec) ->
         write_sums(partial, ["adapter_model.safetensors"])
 
 
+@dataclass(frozen=True)
+class HfExport:
+    """A Hugging Face model's `save_pretrained` directory to write beside the weights file:
+    the model (its config, its class), where, the directory it came from (its tokenizer
+    files are copied), its largest weight file."""
+
+    module: nn.Module
+    out: Path
+    source: Path | None = None
+    shard_bytes: int = HF_SHARD_BYTES
+
+
 def export_streamed(catalog: Catalog, ties: list[list[str]], out: Path,
-                    lora: LoraSpec | None = None) -> None:
+                    lora: LoraSpec | None = None, hf: HfExport | None = None) -> None:
     """Collective: `out` (`model.safetensors`) written by rank 0 one whole tensor at a
     time from what the ranks hold (`checkpoint.streamed`): the module's plain state, tied
     tensors once (their aliases in the metadata, as `export_safetensors_state` has them),
-    LoRA layers merged."""
-    items, aliases = plain_items(catalog, ties, lora)
+    LoRA layers merged. With `hf`, also its `save_pretrained` directory (`export_hf_dir`'s
+    layout), in the same walk over the tensors: weight file i by rank i mod the world
+    size; rank 0 adds the config, the index of several files, the tokenizer files and the
+    files' checksums (each writer's, summed as it wrote)."""
+    ctx = catalog.ctx
+    items, aliases = plain_items(catalog, ties, lora)  # hf/ leaves an alias out: the model reties
     metadata = {"format": "pt", **{f"tied:{a}": n for a, n in aliases.items()}}
-    main = catalog.ctx.is_main
-    with staged(out) if main else contextlib.nullcontext(None) as tmp:
-        write_file(catalog, items, tmp, 0, metadata)
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(staged(out)) if ctx.is_main else out
+        targets = [Target(tmp, 0, items, metadata)]
+        directory: Path | None = None
+        if hf is not None:
+            where = [stack.enter_context(staged_dir(hf.out)) if ctx.is_main else None]
+            if ctx.distributed:
+                dist.broadcast_object_list(where, src=0)  # once rank 0 made it
+            directory = where[0]
+            assert directory is not None
+            shards = hf_shards(catalog, items, hf.shard_bytes)
+            targets += [Target(directory / name, i % ctx.world_size, shard, {"format": "pt"})
+                        for i, (name, shard) in enumerate(
+                            zip(shard_names(len(shards)), shards, strict=True))]
+        sums = write_files(catalog, targets)
+        if hf is None:
+            return
+        mine = {path.name: v for path, v in sums.items() if path.parent == directory}
+        every: list[Any] = [mine]
+        if ctx.distributed:
+            every = [None] * ctx.world_size
+            dist.all_gather_object(every, mine)  # every file closed before rank 0 goes on
+        if ctx.is_main and directory is not None:
+            _hf_files(hf, directory, targets[1:], catalog,
+                      {k: v for part in every for k, v in part.items()})
+
+
+def _hf_files(hf: HfExport, directory: Path, files: list[Target], catalog: Catalog,
+              sums: dict[str, list[int]]) -> None:
+    """What rank 0 adds to an `hf/` whose weight files the ranks wrote."""
+    module: Any = hf.module
+    module.config.architectures = [type(module).__name__]
+    module.config.save_pretrained(directory)
+    generation = getattr(module, "generation_config", None)
+    if generation is not None and module.can_generate():
+        generation.save_pretrained(directory)
+    if len(files) > 1:
+        weight_map = {item.name: f.path.name for f in files for item in f.items}
+        total = sum(catalog.nbytes(item.sources[0]) for f in files for item in f.items)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        atomic_write_text(directory / "model.safetensors.index.json",
+                          json.dumps(index, indent=2) + "\n")
+    _copy_tokenizer(hf.source, directory)
+    atomic_write_text(directory / SUMS_FILE, json.dumps(sums, indent=1, sort_keys=True) + "\n")
 
 
 def export_adapter_streamed(catalog: Catalog, out: Path, lora: LoraSpec) -> None:
     """Collective: peft's adapter directory (`export_adapter`) on rank 0, the adapters
     (small) sent whole to it."""
     items = [Item(name, (name,)) for name in catalog.meta if is_adapter(name)]
-    adapters = dict((item.name, t) for item, t in catalog.items(items, 0))
+    adapters = {items[i].name: t for i, t in catalog.items(items, [{0}] * len(items))
+                if t is not None}
     if catalog.ctx.is_main:
         export_adapter(adapters, out, lora)
-
-
-def export_hf_streamed(module: nn.Module, catalog: Catalog, ties: list[list[str]], out: Path,
-                       source: Path | None, lora: LoraSpec | None = None,
-                       shard_bytes: int = HF_SHARD_BYTES) -> None:
-    """Collective: the `save_pretrained` directory (`export_hf_dir`'s) written by the
-    ranks: weight file i by rank i mod world size, each tensor sent whole to its writer;
-    rank 0 adds the config, the index of a sharded model, the tokenizer files of `source`
-    and the files' checksums (from what each writer summed as it wrote)."""
-    ctx = catalog.ctx
-    items, _ = plain_items(catalog, ties, lora)  # a tied alias left out: the model reties
-    shards = hf_shards(catalog, items, shard_bytes)
-    names = shard_names(len(shards))
-    with staged_dir(out) if ctx.is_main else contextlib.nullcontext(None) as partial:
-        where = [partial]
-        if ctx.distributed:
-            dist.broadcast_object_list(where, src=0)  # after rank 0 made it
-        directory = where[0]
-        assert directory is not None
-        sums = {}
-        for i, (name, shard) in enumerate(zip(names, shards, strict=True)):
-            writer = i % ctx.world_size
-            got = write_file(catalog, shard, directory / name, writer, {"format": "pt"})
-            if got is not None:
-                sums[name] = got
-        every: list[Any] = [sums]
-        if ctx.distributed:
-            every = [None] * ctx.world_size
-            dist.all_gather_object(every, sums)  # every file closed before rank 0 goes on
-        if not ctx.is_main:
-            return
-        config: Any = module.config
-        config.architectures = [type(module).__name__]
-        config.save_pretrained(directory)
-        generation = getattr(module, "generation_config", None)
-        if generation is not None and module.can_generate():  # type: ignore[operator]
-            generation.save_pretrained(directory)
-        if len(shards) > 1:
-            weight_map = {item.name: name for name, shard in zip(names, shards, strict=True)
-                          for item in shard}
-            total = sum(catalog.nbytes(item.sources[0]) for item in items)
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            atomic_write_text(directory / "model.safetensors.index.json",
-                              json.dumps(index, indent=2) + "\n")
-        _copy_tokenizer(source, directory)
-        written = {k: v for part in every for k, v in part.items()}
-        atomic_write_text(directory / SUMS_FILE, json.dumps(written, indent=1, sort_keys=True)
-                          + "\n")
 
 
 def export_run(module: nn.Module, strategy: Any, ctx: DistributedContext, run_dir: Path, *,
@@ -319,22 +331,23 @@ def export_run(module: nn.Module, strategy: Any, ctx: DistributedContext, run_di
             ties = strategy.ties(module)
             if swap is None and lora is not None:
                 export_adapter_streamed(catalog, run_dir / "adapter", lora)
-            export_streamed(catalog, ties, run_dir / names[0], lora)
+            streamed = gathered = False
+            if hf and "model.safetensors" in names:
+                from transformers.conversion_mapping import get_model_conversion_mapping
+
+                # transformers renames some models' weights as it saves them (mixtures of
+                # experts): those through its own save_pretrained, gathered on rank 0
+                gathered = bool(get_model_conversion_mapping(cast(Any, module),
+                                                             add_legacy=False))
+                streamed = not gathered
+            export_streamed(catalog, ties, run_dir / names[0], lora, HfExport(
+                module, run_dir / "hf", source, shard_bytes) if streamed else None)
             if ctx.is_main and len(names) > 1:
                 tmp = temp_name(run_dir / names[1])
                 link_or_copy(run_dir / names[0], tmp)
                 os.replace(tmp, run_dir / names[1])
-            if not hf or "model.safetensors" not in names:
-                continue
-            from transformers.conversion_mapping import get_model_conversion_mapping
-
-            if not get_model_conversion_mapping(cast(Any, module), add_legacy=False):
-                export_hf_streamed(module, catalog, ties, run_dir / "hf", source, lora,
-                                   shard_bytes)
-                continue
-            # transformers renames this model's weights as it saves them: its own
-            # save_pretrained, from the whole state (gathered on rank 0)
-            state = strategy.model_state(module)
-            if ctx.is_main:
-                whole = merged(state, lora) if lora is not None else state
-                export_hf_dir(module, whole, run_dir / "hf", source)
+            if gathered:
+                state = strategy.model_state(module)
+                if ctx.is_main:
+                    whole = merged(state, lora) if lora is not None else state
+                    export_hf_dir(module, whole, run_dir / "hf", source)

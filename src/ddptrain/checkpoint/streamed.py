@@ -73,9 +73,10 @@ class Catalog:
         shape, dtype, _ = self.meta[name]
         return math.prod(shape) * dtype.itemsize
 
-    def whole(self, name: str, writer: int) -> torch.Tensor | None:
-        """Collective over the ranks that hold `name` and `writer`: the whole tensor, on
-        the CPU, on `writer`; None on every other rank."""
+    def whole(self, name: str, writers: set[int]) -> torch.Tensor | None:
+        """Collective over the ranks that hold `name` and the `writers`: the whole tensor,
+        on the CPU, on each writer (made whole there if it holds a shard, else sent by
+        the first rank that holds it); None on every other rank."""
         rank, holders = self.ctx.rank, self.holders[name]
         shape, dtype, dtensor = self.meta[name]
         t = self.local.get(name)
@@ -83,26 +84,28 @@ class Catalog:
             t = t.detach()
             if dtensor:
                 t = t.full_tensor()  # type: ignore[attr-defined]  # every holder takes part
-        source = writer if writer in holders else holders[0]
-        if source == writer:
-            return t.cpu() if rank == writer and t is not None else None
+        got = t if rank in writers else None
         device = self.ctx.device if self.ctx.backend == "nccl" else torch.device("cpu")
-        if rank == source:
-            assert t is not None
-            dist.send(t.to(device).contiguous(), dst=writer)
-        elif rank == writer:
-            got = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(got, src=source)
-            return got.cpu()
-        return None
+        for writer in sorted(writers - set(holders)):
+            if rank == holders[0]:
+                assert t is not None
+                dist.send(t.to(device).contiguous(), dst=writer)
+            elif rank == writer:
+                got = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(got, src=holders[0])
+        return None if got is None else got.cpu()
 
-    def items(self, items: list[Item], writer: int) -> Iterator[tuple[Item, torch.Tensor]]:
-        """Collective: each of `items`, whole, on `writer` (which alone gets any)."""
-        for item in items:
-            parts = [self.whole(name, writer) for name in item.sources]
-            if self.ctx.rank == writer:
-                wholes = [p for p in parts if p is not None]
-                yield item, item.combine(wholes) if item.combine else wholes[0]
+    def items(self, items: list[Item], writers: list[set[int]]
+              ) -> Iterator[tuple[int, torch.Tensor | None]]:
+        """Collective: each of `items` (index, tensor), whole, on the ranks of its entry
+        of `writers`; None elsewhere."""
+        for i, (item, ranks) in enumerate(zip(items, writers, strict=True)):
+            parts = [self.whole(name, ranks) for name in item.sources]
+            if self.ctx.rank not in ranks:
+                yield i, None
+                continue
+            wholes = [p for p in parts if p is not None]
+            yield i, item.combine(wholes) if item.combine else wholes[0]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -128,7 +131,8 @@ class SafetensorsStream:
                   for name, info in self.header.items()}
         room = len(self._header_bytes(widest))
         self.room = room + (-room) % 8  # the data starts 8-byte aligned, as safetensors has it
-        self.data_crc, self.data_len = 0, 0
+        self.data_len = offset
+        self.written: set[str] = set()
         self.file = path.open("wb")
         self.file.write(b"\0" * (8 + self.room))
 
@@ -138,21 +142,27 @@ class SafetensorsStream:
                           separators=(",", ":")).encode()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        """`name`'s bytes at their place in the file, in any order."""
         info = self.header[name]
         if (DTYPES[tensor.dtype], list(tensor.shape)) != (info["dtype"], info["shape"]):
             raise ValueError(f"{name}: {tensor.dtype} {list(tensor.shape)} is not what the "
                              f"header says, {info['dtype']} {info['shape']}")
         tensor = tensor.contiguous()
-        size, crc = tensor_crcs([tensor])[0]
-        self.sums[name] = [size, crc]
-        if size:
+        self.sums[name] = tensor_crcs([tensor])[0]
+        if self.sums[name][0]:
+            self.file.seek(8 + self.room + info["data_offsets"][0])
             data: Any = tensor.view(-1).view(torch.uint8).numpy()  # the bytes, not copied
             self.file.write(data)
-        self.data_crc = crc32_combine(self.data_crc, crc, size) if self.data_len else crc
-        self.data_len += size
+        self.written.add(name)
 
     def close(self) -> list[int]:
-        """Write the header; [bytes, crc32] of the whole file (`files.file_crc`'s)."""
+        """Write the header; [bytes, crc32] of the whole file (`files.file_crc`'s), from
+        the header's and the tensors' own (no byte read back)."""
+        missing = [name for name in self.header if name not in self.written]
+        if missing:
+            self.file.close()
+            raise ValueError(f"{self.path.name}: {len(missing)} tensor(s) never written, "
+                             f"{missing[0]} first")
         text = self._header_bytes(self.sums)
         head = struct.pack("<Q", self.room) + text + b" " * (self.room - len(text))
         self.file.seek(0)
@@ -161,29 +171,57 @@ class SafetensorsStream:
         os.fsync(self.file.fileno())
         self.file.close()
         crc = zlib.crc32(head)
-        if self.data_len:
-            crc = crc32_combine(crc, self.data_crc, self.data_len)
+        for size, part in self.sums.values():  # in the order of the file's offsets
+            crc = crc32_combine(crc, part, size) if size else crc
         return [len(head) + self.data_len, crc]
 
 
-def write_file(catalog: Catalog, items: list[Item], path: Path | None, writer: int,
-               metadata: dict[str, str]) -> list[int] | None:
-    """Collective: `items` written to the safetensors file `path` by rank `writer` (whose
-    `path` it is; other ranks may pass None); the file's [bytes, crc32] there."""
-    stream = None
-    if catalog.ctx.rank == writer:
-        assert path is not None
-        entries = [(i.name, *_shape_of(catalog, i)) for i in items]
-        stream = SafetensorsStream(path, entries, metadata)
+@dataclass
+class Target:
+    """One output file: its items in order, the rank that writes it, its metadata."""
+
+    path: Path
+    writer: int
+    items: list[Item]
+    metadata: dict[str, str]
+
+
+def write_files(catalog: Catalog, targets: list[Target]) -> dict[Path, list[int]]:
+    """Collective: every target written by its writer in one walk over the tensors (a
+    tensor several files hold is made whole once); {path: [bytes, crc32]} of the files
+    this rank wrote. An item is one object in every target that holds it."""
+    rank = catalog.ctx.rank
+    order: dict[int, Item] = {}
+    holding: dict[int, list[Target]] = {}
+    for target in targets:
+        for item in target.items:
+            order.setdefault(id(item), item)
+            holding.setdefault(id(item), []).append(target)
+    items = list(order.values())
+    left = {id(t): len(t.items) for t in targets}
+    streams: dict[int, SafetensorsStream] = {}
+    sums: dict[Path, list[int]] = {}
     try:
-        for item, tensor in catalog.items(items, writer):
-            assert stream is not None
-            stream.write(item.name, tensor)
-    except BaseException:
-        if stream is not None:
+        for target in targets:
+            if target.writer == rank:
+                entries = [(i.name, *_shape_of(catalog, i)) for i in target.items]
+                streams[id(target)] = SafetensorsStream(target.path, entries, target.metadata)
+                if not target.items:
+                    sums[target.path] = streams.pop(id(target)).close()
+        writers = [{t.writer for t in holding[id(item)]} for item in items]
+        for i, tensor in catalog.items(items, writers):
+            for target in holding[id(items[i])]:
+                if target.writer != rank:
+                    continue
+                assert tensor is not None
+                streams[id(target)].write(items[i].name, tensor)
+                left[id(target)] -= 1
+                if not left[id(target)]:  # its last: the file is whole
+                    sums[target.path] = streams.pop(id(target)).close()
+    finally:
+        for stream in streams.values():
             stream.file.close()
-        raise
-    return stream.close() if stream is not None else None
+    return sums
 
 
 def _shape_of(catalog: Catalog, item: Item) -> tuple[tuple[int, ...], torch.dtype]:
