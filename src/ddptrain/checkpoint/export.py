@@ -85,15 +85,14 @@ def export_safetensors(checkpoint: Path, out: Path, overwrite: bool = False) -> 
     """`ddptrain export`: the whole model of a checkpoint (a `.pt` file or a DCP step
     directory of any world size), for inference; a damaged checkpoint is refused, and an
     existing `out` replaced only with `overwrite`."""
-    from ddptrain.checkpoint.dcp import check_shards, follow_pointer, model_chunks_from_dir
+    from ddptrain.checkpoint.dcp import follow_pointer, model_chunks_from_dir
 
     check_output(out, "output", overwrite)
     checkpoint = follow_pointer(checkpoint)
     if not checkpoint.is_dir():
         return export_safetensors_state(checkpoint_model_state(checkpoint), out, overwrite)
     # A step directory: read and written a few tensors at a time, never the whole model.
-    meta = load_checkpoint(checkpoint, torch.device("cpu"))  # whole, written by ddptrain
-    check_shards(checkpoint, meta, DistributedContext(0, 0, 1, torch.device("cpu")))
+    _check_step_dir(checkpoint)
     entries, chunks = model_chunks_from_dir(checkpoint)
     with staged(out, overwrite) as tmp:
         stream = SafetensorsStream(tmp, entries, {"format": "pt"})
@@ -101,9 +100,20 @@ def export_safetensors(checkpoint: Path, out: Path, overwrite: bool = False) -> 
             for chunk in chunks:
                 for name, tensor in chunk.items():
                     stream.write(name, tensor)
-        finally:
-            stream.close()
+        except BaseException:
+            stream.file.close()  # the read's own error, not the file's missing tensors
+            raise
+        stream.close()
     return len(entries)
+
+
+def _check_step_dir(checkpoint: Path, ctx: DistributedContext | None = None) -> None:
+    """A step directory's checksums (its progress file whole, written by ddptrain; its
+    shards' split over the ranks of `ctx`, collective; None: this process)."""
+    from ddptrain.checkpoint.dcp import check_shards
+
+    meta = load_checkpoint(checkpoint, torch.device("cpu"))
+    check_shards(checkpoint, meta, ctx or DistributedContext(0, 0, 1, torch.device("cpu")))
 
 
 def checkpoint_model_state(
@@ -116,10 +126,9 @@ def checkpoint_model_state(
 
     checkpoint = follow_pointer(checkpoint)
     if checkpoint.is_dir():
-        from ddptrain.checkpoint.dcp import check_shards, model_state_from_dir
+        from ddptrain.checkpoint.dcp import model_state_from_dir
 
-        meta = load_checkpoint(checkpoint, torch.device("cpu"))  # whole, written by ddptrain
-        check_shards(checkpoint, meta, ctx or DistributedContext(0, 0, 1, torch.device("cpu")))
+        _check_step_dir(checkpoint, ctx)
         return model_state_from_dir(checkpoint)
     payload = load_checkpoint(checkpoint, torch.device("cpu"), verify=True)
     return dict(payload["model_state_dict"])

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ddptrain.checkpoint.integrity import SAFETENSORS_SUMS, crc32_combine, tensor_crcs
 from ddptrain.context import DistributedContext
+from ddptrain.parallel.lora import ADAPTER, base_name, is_adapter, merge_one
 
 # safetensors' names of torch's dtypes
 DTYPES = {
@@ -234,8 +235,6 @@ def plain_items(catalog: Catalog, ties: list[list[str]],
     """The items of the module's plain state: a tied tensor once (under its first name;
     {alias: kept name} returned), a LoRA layer's weight merged with its adapters and the
     adapters left out (`parallel.lora.merged`'s rule, tensor by tensor)."""
-    from ddptrain.parallel.lora import ADAPTER, base_name, is_adapter
-
     aliases = {alias: group[0] for group in ties for alias in group[1:]
                if group[0] in catalog.meta}
     items: list[Item] = []
@@ -254,8 +253,6 @@ def plain_items(catalog: Catalog, ties: list[list[str]],
 
 
 def _merging(layer: str, lora: Any) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-    from ddptrain.parallel.lora import merge_one
-
     def merge(parts: list[torch.Tensor]) -> torch.Tensor:
         weight, a, b = parts
         return merge_one(weight, a, b, layer, lora)

@@ -206,11 +206,7 @@ class Strategy:
 
     def ties(self, module: nn.Module) -> list[list[str]]:
         """Groups of names that are one tensor (a tied embedding and head), first name first."""
-        groups: dict[int, list[str]] = {}
-        for name, t in [*module.named_parameters(remove_duplicate=False),
-                        *module.named_buffers(remove_duplicate=False)]:
-            groups.setdefault(id(t), []).append(name)
-        return [names for names in groups.values() if len(names) > 1]
+        return [names for names, _ in tensors_by_identity(module) if len(names) > 1]
 
     def sharded_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer
@@ -349,6 +345,20 @@ def to_cpu(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(to_cpu(value) for value in obj)
     return obj
+
+
+def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `module` under each of its names."""
+    return {**dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False))}
+
+
+def tensors_by_identity(module: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """The module's tensors, each once, with all of its names (a tied one has several)."""
+    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, t in named_tensors(module).items():
+        groups.setdefault(id(t), ([], t))[0].append(name)
+    return list(groups.values())
 
 
 def nbytes(t: torch.Tensor) -> int:

@@ -259,20 +259,6 @@ def _non_persistent(module: nn.Module) -> list[str]:
     ]
 
 
-def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of `module` under each of its names."""
-    return {**dict(module.named_parameters(remove_duplicate=False)),
-            **dict(module.named_buffers(remove_duplicate=False))}
-
-
-def tensors_by_identity(module: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-    """The module's tensors, each once, with all of its names (a tied one has several)."""
-    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
-    for name, t in named_tensors(module).items():
-        groups.setdefault(id(t), ([], t))[0].append(name)
-    return list(groups.values())
-
-
 def retie(module: nn.Module, ties: list[list[str]]) -> None:
     """Each group of names one parameter again: `to_empty` makes a parameter tied on the
     meta device (an embedding and its head) a tensor of its own under each name."""

@@ -61,9 +61,11 @@ from ddptrain.parallel.base import (
     BatchLoss,
     State,
     local_tensor,
+    named_tensors,
+    tensors_by_identity,
     to_cpu,
 )
-from ddptrain.parallel.fsdp import FSDP, named_tensors, tensors_by_identity
+from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh, tp_mesh
 from ddptrain.parallel.pp_hf import HFDecoderStage, check_hf_stages, is_hf_decoder
 from ddptrain.parallel.tp import by_layout, squared_norm, tensor_parallel

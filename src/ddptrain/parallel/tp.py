@@ -46,8 +46,8 @@ from torch.distributed.tensor.parallel import (
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.base import NO_CONTEXT
-from ddptrain.parallel.fsdp import FSDP, retie, tensors_by_identity
+from ddptrain.parallel.base import NO_CONTEXT, tensors_by_identity
+from ddptrain.parallel.fsdp import FSDP, retie
 from ddptrain.parallel.lora import tp_plan_with_adapters
 from ddptrain.parallel.mesh import tp_mesh
 from ddptrain.parallel.tp_hf import hf_tp_plan
