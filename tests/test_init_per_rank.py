@@ -74,10 +74,13 @@ def _fit_counting_reads(rank: int, runs: list[dict[str, Any]]) -> list[dict[str,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("start", ["init_from", "model"])
 def test_each_rank_reads_and_writes_only_its_part_of_a_sharded_hugging_face_directory(
-    tmp_path: Path
+    tmp_path: Path, start: str
 ) -> None:
-    """... and each writes about half of the run's `hf/` (weight files of at most 0.1 MB
+    """... whether the directory is `--init_from` (the `--model hf:DIR` it fills is then
+    not read at all) or `--model hf:DIR` itself (built on the meta device, no template on
+    rank 0); and each writes about half of the run's `hf/` (weight files of at most 0.1 MB
     here), which loads with `from_pretrained` as the run's `model.safetensors`."""
     _llama(0).save_pretrained(tmp_path / "base")
     source = tmp_path / "source"
@@ -85,10 +88,12 @@ def test_each_rank_reads_and_writes_only_its_part_of_a_sharded_hugging_face_dire
     shards = sorted(source.glob("model-*.safetensors"))
     assert len(shards) >= 3
     whole = sum(p.numel() * p.element_size() for p in _llama(1).state_dict().values())
+    starts = {"init_from": {"model": f"hf:{tmp_path / 'base'}", "init_from": str(source)},
+              "model": {"model": f"hf:{source}"}}[start]
 
     def run(name: str, **fields: Any) -> dict[str, Any]:
-        return {**RUN, "model": f"hf:{tmp_path / 'base'}", "init_from": str(source),
-                "output_dir": str(tmp_path / name), "export_shard_mb": 0.1, **fields}
+        return {**RUN, **starts, "output_dir": str(tmp_path / name), "export_shard_mb": 0.1,
+                **fields}
 
     (plain,) = fit_runs(0, [run("plain")])
     # the same global batch of 16 in each: ddp and fsdp split it over their 2 ranks
@@ -98,8 +103,8 @@ def test_each_rank_reads_and_writes_only_its_part_of_a_sharded_hugging_face_dire
                          [run(name, **fields) for name, fields in layouts.items()])
     for i, layout in enumerate(layouts):
         reads = [per_rank[r][i]["read"] for r in range(2)]
-        if layout == "ddp":  # each rank holds the model whole
-            assert reads == [whole, whole], reads
+        if layout == "ddp":  # each rank holds the model whole: from_pretrained maps it
+            assert reads == ([whole, whole] if start == "init_from" else [0, 0]), reads
         else:  # each reads about half; together all of it
             assert sum(reads) >= whole and max(reads) < 0.6 * whole, (layout, reads, whole)
         wrote = [per_rank[r][i]["wrote"] for r in range(2)]
@@ -169,3 +174,63 @@ def test_a_damaged_directory_is_refused_alike_on_every_rank_each_file_checked_on
            "output_dir": str(tmp_path / "run"), "strategy": "fsdp"}
     errors = run_ranks(_init_error, 2, tmp_path, run)
     assert errors[0] == errors[1] and f"{victim.name} does not match its checksum" in errors[0]
+
+
+def test_what_a_directory_lacks_starts_alike_loaded_whole_or_built_on_meta(
+    tmp_path: Path
+) -> None:
+    """A head the task adds (a classifier's `score`), the rotary frequencies a Llama
+    computes as it is built, and LoRA's adapters start from values that depend on the seed
+    and the tensor's name alone: the model `from_pretrained` loads whole (ddp, one
+    process) holds the values `start_values` and `adapter_start` make from its structure
+    on the meta device, which fsdp, tp and pp ranks copy their parts of."""
+    from types import SimpleNamespace
+
+    from ddptrain.models.hf import build_hf, start_values
+    from ddptrain.observe.flops import meta_shadow
+    from ddptrain.parallel.lora import adapt, adapter_start
+
+    _llama(1).save_pretrained(tmp_path / "lm")  # a causal LM: no classification head
+    name, args = f"hf:{tmp_path / 'lm'}", {"auto_class": "AutoModelForSequenceClassification"}
+    whole = build_hf(name, args, "classification", 3, torch.device("cpu"), seed=5)
+    with torch.device("meta"):
+        skeleton = build_hf(name, args, "classification", 3, torch.device("meta"), seed=5)
+    assert skeleton.score.weight.is_meta
+    keys = ["score.weight", "model.rotary_emb.inv_freq"]
+    values = start_values(meta_shadow(skeleton), keys, seed=5)
+    assert torch.equal(values["score.weight"], whole.score.weight)
+    assert torch.equal(values["model.rotary_emb.inv_freq"], whole.model.rotary_emb.inv_freq)
+    assert values["score.weight"].std() > 0
+    assert not torch.equal(start_values(skeleton, keys, seed=6)["score.weight"],
+                           values["score.weight"])
+    config = SimpleNamespace(lora_rank=2, lora_alpha=None, lora_dropout=0.0, lora_targets=[],
+                             fsdp_wrap=None, model=name, seed=5)
+    adapt(whole, config)
+    adapters = {k: v for k, v in whole.state_dict().items() if ".lora_" in k}
+    assert len(adapters) == 2 * 7 * 2  # A and B of 7 linears in each of 2 layers
+    for key, value in adapters.items():
+        assert torch.equal(value, adapter_start(key, value.shape, value.dtype, seed=5)), key
+        assert (value.abs().sum() == 0) == (".lora_B." in key), key
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_a_model_of_1_gb_is_written_and_read_back_with_no_rank_holding_it_whole(
+    tmp_path: Path
+) -> None:
+    """bench/exports.py's 325M-parameter Llama (1.3 GB in fp32), FSDP2 on 2 ranks: the
+    streamed export of `model.safetensors` and `hf/` (files of at most 400 MB), then the
+    per-rank read of that `hf/` into a fresh sharded skeleton. No rank's resident memory
+    grows by more than its own half of the model plus one file in either (gathering on
+    rank 0 grows it by 1.6 GB, `from_pretrained` on rank 0 by 1.9 GB), and each rank
+    asks the files for its half alone."""
+    from bench.exports import measure
+
+    export, load = measure(8, ["streamed", "per-rank"], tmp_path)
+    whole = export[0]["parameters"] * 4
+    bound = whole / 2 + 400 * 10**6
+    for rank in (0, 1):
+        assert export[rank]["rss_growth"] < bound, (rank, export[rank], bound)
+        assert load[rank]["rss_growth"] < bound, (rank, load[rank], bound)
+    asked = [load[rank]["asked"] for rank in (0, 1)]
+    assert sum(asked) == whole and max(asked) < 0.55 * whole, (asked, whole)

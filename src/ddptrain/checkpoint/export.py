@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from ddptrain.files import (
     temp_name,
     write_sums,
 )
+from ddptrain.models.hf import renames_weights
 from ddptrain.parallel.lora import ADAPTER, LoraSpec, is_adapter, merged
 
 
@@ -342,12 +343,9 @@ def export_run(module: nn.Module, strategy: Any, ctx: DistributedContext, run_di
                 export_adapter_streamed(catalog, run_dir / "adapter", lora)
             streamed = gathered = False
             if hf and "model.safetensors" in names:
-                from transformers.conversion_mapping import get_model_conversion_mapping
-
                 # transformers renames some models' weights as it saves them (mixtures of
                 # experts): those through its own save_pretrained, gathered on rank 0
-                gathered = bool(get_model_conversion_mapping(cast(Any, module),
-                                                             add_legacy=False))
+                gathered = renames_weights(module)
                 streamed = not gathered
             export_streamed(catalog, ties, run_dir / names[0], lora, HfExport(
                 module, run_dir / "hf", source, shard_bytes) if streamed else None)

@@ -51,10 +51,13 @@ from ddptrain.checkpoint.export import safetensors_share_damage
 from ddptrain.context import DistributedContext
 from ddptrain.errors import few
 from ddptrain.files import SUMS_FILE, refuse_special, sums_damage
-from ddptrain.parallel.lora import base_name, is_adapter
+from ddptrain.models.hf import hf_dir, report_loading, start_values
+from ddptrain.parallel.base import copy_whole, named_tensors
+from ddptrain.parallel.lora import adapter_start, base_name, is_adapter
 
 log = logging.getLogger("ddptrain")
 
+FLAG = "--init_from"  # the option whose weights the messages speak of
 WEIGHTS = "model.safetensors"
 SHARDED = "model.safetensors.index.json"  # save_pretrained's shards and where each name is
 Shapes = dict[str, tuple[int, ...]]
@@ -106,7 +109,7 @@ def _is_step_dir(path: Path) -> bool:
     return path.is_dir() and (path / ".metadata").is_file()
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def _safetensors_files(path: Path, flag: str = FLAG) -> list[Path]:
     if path.name != SHARDED:
         return [path]
     try:
@@ -114,41 +117,41 @@ def _safetensors_files(path: Path) -> list[Path]:
         names = sorted(set(index["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(
-            f"--init_from: {str(path)!r} is not a safetensors shard index ({exc}): save the "
+            f"{flag} {str(path)!r} is not a safetensors shard index ({exc}): save the "
             "weights again with save_pretrained"
         ) from None
     return [path.parent / name for name in names]
 
 
-def _safetensors_shapes(path: Path) -> tuple[Shapes, dict[str, str]]:
+def _safetensors_shapes(path: Path, flag: str = FLAG) -> tuple[Shapes, dict[str, str]]:
     """Names and shapes from the files' headers (no tensor read), and the ties that
     ddptrain's export recorded (`tied:ALIAS` -> the name stored)."""
     from safetensors import safe_open
 
     shapes: Shapes = {}
     ties: dict[str, str] = {}
-    for file in _safetensors_files(path):
-        refuse_special(file, "--init_from")
+    for file in _safetensors_files(path, flag):
+        refuse_special(file, flag)
         try:
             with safe_open(str(file), "pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
                     shapes[key] = tuple(f.get_slice(key).get_shape())
                 meta = f.metadata() or {}
         except Exception as exc:
-            raise _unreadable(file, exc) from None
+            raise _unreadable(file, exc, flag) from None
         ties.update({k[4:]: v for k, v in meta.items() if k.startswith("tied:")})
     return shapes, ties
 
 
-def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
+def _unreadable(path: Path, exc: BaseException, flag: str) -> CheckpointError:
     text = str(exc).strip()
     reason = text.splitlines()[0][:160] if text else type(exc).__name__
     return CheckpointError(
-        f"--init_from {str(path)!r} cannot be read: {reason}; give a whole safetensors file"
+        f"{flag} {str(path)!r} cannot be read: {reason}; give a whole safetensors file"
     )
 
 
-def source_shapes(path: Path) -> tuple[Shapes, dict[str, str]]:
+def source_shapes(path: Path, flag: str = FLAG) -> tuple[Shapes, dict[str, str]]:
     """The names and shapes of the weights at `path`, and the ties it records, from the
     headers (safetensors) or the metadata (a step directory, its `meta.pt` checked); a
     `.pt` file is checked against its checksums first. The bytes of safetensors and step
@@ -166,9 +169,9 @@ def source_shapes(path: Path) -> tuple[Shapes, dict[str, str]]:
             if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
         }, {}
     if path.is_dir():
-        return _safetensors_shapes(_weights_file(path))
+        return _safetensors_shapes(_weights_file(path), flag)
     if path.suffix == ".safetensors":
-        return _safetensors_shapes(path)
+        return _safetensors_shapes(path, flag)
     payload = read_payload(path, cpu, verify=True)
     state = payload.get("model_state_dict") or {}
     return {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v)}, {}
@@ -204,12 +207,16 @@ def _unwrapped(names: dict[str, str], own: Iterable[str]) -> None:
             names.setdefault(name, names[base_name(name)])
 
 
-def _fit(model: nn.Module, path: Path) -> tuple[Fit, dict[str, str]]:
+def _fit(
+    model: nn.Module, path: Path, flag: str = FLAG, groups: list[list[str]] | None = None
+) -> tuple[Fit, dict[str, str]]:
     """How the weights at `path` fit `model`, and the names that load: {the model's name:
-    the name stored in the weights}."""
-    shapes, ties = source_shapes(path)
+    the name stored in the weights}. `groups`: the names that are one tensor in the whole
+    model (a pipeline stage holds its own copy: the strategy knows them), by default
+    those of `model`."""
+    shapes, ties = source_shapes(path, flag)
     reads = {k: k for k in shapes}
-    _complete(reads, ties, tied_names(model))
+    _complete(reads, ties, tied_names(model) if groups is None else groups)
     own = {k: tuple(v.shape) for k, v in model.state_dict().items() if not is_adapter(k)}
     _unwrapped(reads, own)
     loads = {k: reads[k] for k in own if k in reads and shapes[reads[k]] == own[k]}
@@ -258,14 +265,15 @@ def _refuse_unfit(fit: Fit, path: Path, strict: bool) -> None:
 
 
 def load_initial_weights(
-    module: nn.Module, path: Path, ctx: DistributedContext, strict: bool
+    module: nn.Module, path: Path, ctx: DistributedContext, strict: bool,
+    ties: list[list[str]] | None = None,
 ) -> Fit:
     """Collective: fill `module` (whole, wrapped in place or sharded) with the weights at
     `path`. From safetensors and step directories each rank reads only what it holds (its
     fsdp shard, its tp slice, its pipeline stages; the whole model under ddp), and the
     ranks share the checking of the bytes; a `.pt` file is read by rank 0 and sent one
-    tensor at a time. What does not fit was refused or is logged."""
-    fit, loads = _fit(module, path)
+    tensor at a time. What does not fit was refused or is logged. `ties`: see `_fit`."""
+    fit, loads = _fit(module, path, groups=ties)
     if ctx.distributed:  # a pipeline stage holds part of the model: judged as a whole
         fit = _whole_fit(fit, loads, ctx)
     _refuse_unfit(fit, path, strict)
@@ -281,8 +289,54 @@ def load_initial_weights(
     return fit
 
 
+def holds_safetensors(directory: Path) -> bool:
+    """Whether a Hugging Face directory keeps its weights in safetensors (one file, or
+    shards and their index), which each rank can read its part of."""
+    return any((directory / name).is_file() for name in (WEIGHTS, SHARDED))
+
+
+def fill_pretrained(
+    module: nn.Module, skeleton: nn.Module | None, name: str, ctx: DistributedContext, seed: int,
+    ties: list[list[str]], read: bool = True,
+) -> None:
+    """Collective: `module`, the model of `--model hf:DIR` built on the meta device and
+    allocated as this rank holds it (its fsdp shards, tp slices, pipeline stages), filled:
+    the directory's tensors each rank reads itself from the safetensors files (`read`: a
+    strict `--init_from` reads every tensor anyway, and nothing is read twice), and what
+    the files do not hold from its start values (a head the task adds, LoRA's adapters,
+    buffers computed as the modules are built), made on the host from `skeleton`, the
+    model's structure on meta; `ties` as the strategy knows them (`_fit`). Shapes that do
+    not fit are one line."""
+    directory, flag = hf_dir(name), f"--model {name}:"
+    fit, loads = _fit(module, directory, flag, ties)
+    whole = _whole_fit(fit, loads, ctx) if ctx.distributed else fit
+    if whole.mismatched:
+        raise CheckpointError(
+            f"{flag} {len(whole.mismatched)} tensor(s) of the directory have another shape "
+            f"than the model's (directory vs model): {few(whole.mismatched)}; check "
+            "--model_args against the directory's config.json"
+        )
+    if read:
+        _read_own_parts(module, directory, loads, ctx, flag)
+    report_loading(name, type(module).__name__, whole.missing, whole.unexpected)
+    held = named_tensors(module)
+    computed = [f"{owner}.{b}" if owner else b for owner, m in module.named_modules()
+                for b in m._non_persistent_buffers_set]
+    fresh = [*fit.missing, *computed]
+    if fresh and skeleton is None:
+        raise CheckpointError(f"{flag} the model cannot be copied to the meta device, so "
+                              f"{few(fresh)} cannot start: build it with --strategy ddp")
+    values = start_values(skeleton, fresh, seed) if skeleton is not None else {}
+    values.update({key: adapter_start(key, t.shape, t.dtype, seed)
+                   for key, t in held.items() if is_adapter(key)})
+    with torch.no_grad():
+        for key, value in values.items():
+            copy_whole(held[key], value)
+
+
 def _read_own_parts(
-    module: nn.Module, source: Path, loads: dict[str, str], ctx: DistributedContext
+    module: nn.Module, source: Path, loads: dict[str, str], ctx: DistributedContext,
+    flag: str = FLAG,
 ) -> None:
     """Each rank reads from `source` the slices of the tensors it holds, into them (DCP
     plans the slices: DTensor shards, plain tensors whole)."""
@@ -300,10 +354,10 @@ def _read_own_parts(
             check_shards(source, meta, ctx)
         load_sharded(source, {"model": into}, meta)  # each entry checked as it is read
     else:
-        files = _safetensors_files(_weights_file(source) if source.is_dir() else source)
+        files = _safetensors_files(_weights_file(source) if source.is_dir() else source, flag)
         damage = _shared_damage(source, files, ctx)
         if damage is not None:
-            raise CheckpointError(f"--init_from {str(source)!r} is damaged: {damage}: export "
+            raise CheckpointError(f"{flag} {str(source)!r} is damaged: {damage}: export "
                                   "it again, or give another directory")
         with quiet_without_group():
             dcp.load(into, storage_reader=SafetensorsReader(files))

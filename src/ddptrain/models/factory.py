@@ -77,7 +77,7 @@ def create_model(
     picks a Hugging Face model's head (`hf:DIR`)."""
     name = model_name(config, data)
     if is_hf_ref(name):
-        model = build_hf(name, config.model_args, task, outputs, device)
+        model = build_hf(name, config.model_args, task, outputs, device, config.seed)
     elif ":" in name:
         model = call_factory(
             name, "model", config, config.model_args, {**data.facts.as_kwargs(), "outputs": outputs}

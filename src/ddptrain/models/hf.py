@@ -6,17 +6,24 @@ The `AutoModelFor...` class comes from the task (lm: `AutoModelForCausalLM`,
 classification: `AutoModelForSequenceClassification` with `num_labels` from the data) or
 from `--model_args auto_class=AutoModelForTokenClassification`; the other `--model_args`
 go to `from_pretrained`. Nothing is downloaded (`local_files_only`). On the meta device
-(fsdp's skeleton, the checks made before the process group) the model is built from its
-config alone, without reading a weight.
+(the skeleton fsdp, tp and pp shard, the checks made before the process group) the model
+is built from its config alone, without reading a weight: each rank then reads the slices
+it holds (`checkpoint.init.fill_pretrained`).
+
+What the directory lacks (a head the task adds) starts from `start_values`, which depend
+on the seed and the tensor's name only: the same whether the model was loaded whole or
+built on meta and filled per rank.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -44,15 +51,16 @@ def hf_dir(name: str) -> Path:
 
 def build_hf(
     name: str, args: dict[str, Any], task: str | None, outputs: int | None,
-    device: torch.device,
+    device: torch.device, seed: int = 0,
 ) -> nn.Module:
-    """The model in `hf:DIR` for `task`: pretrained weights, or (on the meta device) only
-    the structure they fill."""
+    """The model in `hf:DIR` for `task`: pretrained weights (what the directory lacks from
+    `start_values`), or (on the meta device) only the structure they fill; the directory's
+    checksums are checked by the ranks that read it."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # the run's own lines say what happens
     directory = hf_dir(name)
-    damage = sums_damage(directory)
+    damage = sums_damage(directory) if device.type != "meta" else None
     if damage is not None:
         raise ConfigError(f"--model {name}: {str(directory)!r} is damaged: {damage}: export "
                           "it again, or give another directory")
@@ -88,7 +96,11 @@ def build_hf(
                 directory, config=config, local_files_only=True, trust_remote_code=trust,
                 output_loading_info=True,
             )
-        _report_loading(name, str(class_name), info)
+        report_loading(name, str(class_name), info["missing_keys"], info["unexpected_keys"])
+        with torch.no_grad():
+            for key, value in start_values(model, info["missing_keys"], seed).items():
+                owner, _, leaf = key.rpartition(".")
+                getattr(model.get_submodule(owner), leaf).copy_(value)
     except ConfigError:
         raise
     except Exception as exc:
@@ -116,10 +128,9 @@ def _quiet(transformers: Any) -> Iterator[None]:
         transformers.utils.logging.set_verbosity(before)
 
 
-def _report_loading(name: str, class_name: str, info: dict[str, Any]) -> None:
+def report_loading(name: str, class_name: str, fresh: list[str], unused: list[str]) -> None:
     """What the directory's weights did not fill, and what of them went unused, as one
     line (a head the task adds starts fresh: expected)."""
-    fresh, unused = list(info.get("missing_keys") or []), list(info.get("unexpected_keys") or [])
     if fresh:
         log.info("--model %s: %s starts %d tensor(s) fresh (%s)", name, class_name,
                  len(fresh), few(sorted(fresh)))
@@ -144,3 +155,36 @@ def is_hf_model(module: nn.Module) -> bool:
 
     transformers = sys.modules.get("transformers")
     return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+
+
+def renames_weights(model: nn.Module) -> bool:
+    """Whether transformers renames or fuses this model's weights between its files and
+    its modules (some mixtures of experts): its own `from_pretrained` and
+    `save_pretrained` then read and write them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return bool(get_model_conversion_mapping(cast(Any, model), add_legacy=False))
+
+
+def start_values(root: nn.Module, names: Iterable[str], seed: int) -> dict[str, torch.Tensor]:
+    """Whole host values for the tensors `names` of the Hugging Face model `root` (loaded,
+    or its structure on the meta device) that its directory does not hold: a head the
+    task adds, the buffers its modules compute as they are built (rotary frequencies).
+    Each owning module's twin on the host is initialised by the model's own
+    `_init_weights`, seeded by the seed and the module's name: the same values whatever
+    the layout, and nothing else of the model allocated."""
+    owners: dict[str, list[str]] = {}
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        owners.setdefault(owner, []).append(leaf)
+    values: dict[str, torch.Tensor] = {}
+    for owner, leaves in sorted(owners.items()):
+        twin = copy.deepcopy(root.get_submodule(owner)).to_empty(device="cpu")
+        for tensor in [*twin.parameters(), *twin.buffers()]:
+            tensor.__dict__.pop("_is_hf_initialized", None)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed + zlib.crc32(owner.encode()))
+            root._init_weights(twin)  # type: ignore[operator]
+        for leaf in leaves:
+            values[f"{owner}.{leaf}" if owner else leaf] = getattr(twin, leaf).detach()
+    return values

@@ -61,6 +61,10 @@ Autocast = Callable[[], AbstractContextManager[Any]]
 # Builds the model, seeded, with its tensors on the device it is given (the meta device
 # included): the same weights on every rank and every call.
 ModelBuilder = Callable[[torch.device], nn.Module]
+# Set (True) on a model built on the meta device whose weights its builder reads into each
+# rank's part after `setup_module` (a Hugging Face directory, per rank): fsdp, tp and pp
+# then allocate the parts and fill nothing, and rank 0 builds no whole template.
+FILLED_BY_BUILDER = "ddptrain_filled_by_builder"
 
 
 class Strategy:
@@ -351,6 +355,19 @@ def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of `module` under each of its names."""
     return {**dict(module.named_parameters(remove_duplicate=False)),
             **dict(module.named_buffers(remove_duplicate=False))}
+
+
+def copy_whole(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the whole value `full` into `target`: all of it, or this rank's slice of it
+    (a DTensor's shard, each rank cutting its own)."""
+    if isinstance(target, DTensor):
+        from torch.distributed.tensor import distribute_tensor
+
+        mine = distribute_tensor(full.to(target.device), target.device_mesh, target.placements,
+                                 src_data_rank=None)
+        target.to_local().copy_(mine.to_local())
+    else:
+        target.copy_(full)
 
 
 def tensors_by_identity(module: nn.Module) -> list[tuple[list[str], torch.Tensor]]:

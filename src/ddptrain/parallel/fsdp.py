@@ -23,6 +23,7 @@ from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.base import (
+    FILLED_BY_BUILDER,
     FULL_STATE,
     NO_CONTEXT,
     ModelBuilder,
@@ -47,7 +48,9 @@ class FSDP(Strategy):
     Rank 0 alone builds the seeded model in host memory as the template, whose tensors
     are then broadcast one at a time, each rank keeping its slice: the weights are those
     the other strategies start from, and no rank's device ever holds the whole model. A
-    model handed over already built (`fit(model=instance)`) cannot be rebuilt on meta: it
+    model marked `FILLED_BY_BUILDER` (a Hugging Face directory) has no template: each rank
+    reads its own shards from the files after `setup_module`. A model handed over already
+    built (`fit(model=instance)`) cannot be rebuilt on meta: it
     is moved to the device whole and sharded there."""
 
     flags_differ = True  # each rank checks its own shards of the gradients
@@ -90,7 +93,7 @@ class FSDP(Strategy):
                      "built whole on each rank, then sharded")
             return build(self.ctx.device)
         self._on_meta = True
-        if self.ctx.is_main:
+        if self.ctx.is_main and not getattr(module, FILLED_BY_BUILDER, False):
             with torch.random.fork_rng(devices=[]):  # every rank's generator stays alike
                 self._template = build(torch.device("cpu"))
         return module
@@ -133,15 +136,17 @@ class FSDP(Strategy):
         # Under --fsdp_cpu_offload the shards live in host memory and FSDP moves each to
         # the device for its compute; buffers are not FSDP's and stay on the device.
         module.to_empty(device=torch.device("cpu") if self.config.fsdp_cpu_offload else device)
+        for mod in module.modules():
+            for key, buf in mod._buffers.items():
+                if buf is not None and buf.device != device:
+                    mod._buffers[key] = buf.to(device)
+        if getattr(module, FILLED_BY_BUILDER, False):
+            return
         template, self._template = self._template, None
         full = template.state_dict() if template is not None else {}
         # One tensor at a time: rank 0 broadcasts it, each rank copies its slice.
         set_model_state_dict(module, full, options=self._from_rank0)
         del full
-        for mod in module.modules():
-            for key, buf in mod._buffers.items():
-                if buf is not None and buf.device != device:
-                    mod._buffers[key] = buf.to(device)
         # Buffers outside the state dict (a causal mask, position ids) come from rank 0.
         mine = dict(module.named_buffers())
         for name in _non_persistent(module):

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +145,25 @@ def adapt(module: nn.Module, config: Any) -> LoraSpec | None:
     spec = lora_spec(module, config)
     if spec is not None:
         add_lora(module, spec)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if is_adapter(name) and not p.is_meta:
+                    p.copy_(adapter_start(name, p.shape, p.dtype, config.seed))
     return spec
+
+
+def adapter_start(name: str, shape: torch.Size, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """The value the adapter tensor `name` starts from, on the host: lora_B zeros, lora_A
+    drawn as peft draws it (Kaiming-uniform, a = sqrt(5)) from the seed and its name, so
+    a model built whole and one built on the meta device and filled per rank start
+    alike."""
+    if ".lora_B." in name:
+        return torch.zeros(shape, dtype=dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + zlib.crc32(name.encode()))
+        value = torch.empty(shape, dtype=dtype)
+        nn.init.kaiming_uniform_(value, a=math.sqrt(5))
+    return value
 
 
 def plain_state(state: dict[str, torch.Tensor], module: nn.Module,

@@ -51,15 +51,16 @@ from torch.distributed.pipelining.schedules import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ddptrain.data.batch import Output, parse_output
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.base import (
+    FILLED_BY_BUILDER,
     NO_CONTEXT,
     Autocast,
     BatchLoss,
     State,
+    copy_whole,
     local_tensor,
     named_tensors,
     tensors_by_identity,
@@ -170,6 +171,8 @@ class Pipeline(FSDP):
         once, and the ranks that hold it keep their slice. Collective."""
         for view in self.views:
             view.to_empty(device=self.ctx.device)
+        if getattr(module, FILLED_BY_BUILDER, False):
+            return
         template, self._template = self._template, None
         source = named_tensors(template) if template is not None else {}
         held = named_tensors(module)
@@ -178,13 +181,8 @@ class Pipeline(FSDP):
                     else torch.empty(meta.shape, dtype=meta.dtype, device=self.ctx.device))
             dist.broadcast(full, src=0)
             for name in names:
-                target = held.get(name)
-                if isinstance(target, DTensor):
-                    mine = distribute_tensor(full, target.device_mesh, target.placements,
-                                             src_data_rank=None)  # each rank slices its own
-                    target.to_local().copy_(mine.to_local())
-                elif target is not None:
-                    target.copy_(full)
+                if name in held:
+                    copy_whole(held[name], full)
 
     # ------------------------------------------------------------------ step
     def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:

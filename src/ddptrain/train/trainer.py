@@ -35,7 +35,7 @@ from torch import nn
 
 from ddptrain.checkpoint import Checkpointer, Progress
 from ddptrain.checkpoint.export import export_run
-from ddptrain.checkpoint.init import load_initial_weights
+from ddptrain.checkpoint.init import fill_pretrained, holds_safetensors, load_initial_weights
 from ddptrain.checkpoint.rng import gather_rng_states, seed_process
 from ddptrain.context import DistributedContext, gather_to_main
 from ddptrain.data import (
@@ -53,6 +53,7 @@ from ddptrain.data import (
 )
 from ddptrain.files import atomic_write_text
 from ddptrain.models import build_model, hf_dir, is_hf_model, is_hf_ref
+from ddptrain.models.hf import renames_weights
 from ddptrain.observe import Console, Curves, Hook, Hooks, MetricsWriter
 from ddptrain.observe.flops import gpu_fields, meta_shadow
 from ddptrain.observe.hang import POSITION, StallWatch
@@ -60,7 +61,7 @@ from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.startup import Phases
 from ddptrain.observe.trackers import tracker_hooks
 from ddptrain.observe.writer import RunLogError
-from ddptrain.parallel.base import nbytes
+from ddptrain.parallel.base import FILLED_BY_BUILDER, nbytes
 from ddptrain.parallel.lora import LoraSpec, adapt
 from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.parallel.mesh import attach_mesh
@@ -131,6 +132,11 @@ class Trainer:
         # Wrapped (or sharded in place) before the optimizer sees the parameters: under
         # fsdp they become shards, and a checkpoint loads into the shards.
         self.model: Any = self.strategy.setup_module(self.module)  # maybe compiled below
+        if getattr(self.module, FILLED_BY_BUILDER, False):  # hf:DIR, read per rank
+            fill_pretrained(
+                self.module, self.flops_model, config.model, ctx, config.seed,
+                self.strategy.ties(self.module), read=not (config.init_from and config.init_strict),
+            )
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimization = build_optimizer(config, self.module, self.strategy, ctx.data_world)
         self.optimizer = self.optimization.optimizer
@@ -203,6 +209,10 @@ class Trainer:
                 task=self.task.name, model=module,
             )
             self.lora = adapt(built, cfg)  # --lora_rank: its adapters, the rest frozen
+            if (module is None and device.type == "meta" and is_hf_ref(cfg.model)
+                    and holds_safetensors(hf_dir(cfg.model)) and not renames_weights(built)):
+                # no whole copy anywhere: each rank reads its part after setup_module
+                setattr(built, FILLED_BY_BUILDER, True)
             return built
 
         if isinstance(module, nn.Module):
@@ -215,7 +225,10 @@ class Trainer:
             log.info("--init_from %s is ignored: the run resumes from %s (a run that goes on "
                      "never re-initialises)", source, self.resumed_from)
             return
-        load_initial_weights(self.module, Path(source), self.ctx, self.config.init_strict)
+        load_initial_weights(self.module, Path(source), self.ctx, self.config.init_strict,
+                             self.strategy.ties(self.module))
+        if self.ema is not None:  # the average starts from the weights the run starts from
+            self.ema = EMA(self.module, self.ema.decay)
 
     @property
     def memory_format(self) -> torch.memory_format | None:
