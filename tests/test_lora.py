@@ -117,6 +117,42 @@ def test_a_resumed_lora_run_goes_on_bit_for_bit(tmp_path: Path) -> None:
         assert torch.equal(whole[name], cut[name]), name
 
 
+def test_qlora_trains_on_a_4_bit_base_resumes_bit_for_bit_and_exports_its_merge(
+    tmp_path: Path
+) -> None:
+    """`--lora_quantize nf4`: the adapted layers' frozen weights are the seeded model's
+    in 4-bit NormalFloat (a checkpoint holds them dequantized: not the fp32 weights, the
+    4-bit ones); a resume from the first epoch's checkpoint makes the same 4-bit base
+    again and ends bit for bit like the run; `model.safetensors` is the dequantized base
+    plus the adapters."""
+    import math
+
+    from torchao.quantization import to_nf4
+
+    qlora = {**GPT, "lora_quantize": "nf4"}
+    fit(TrainingConfig(output_dir=str(tmp_path / "whole"), epochs=2, **qlora))
+    first = sorted((tmp_path / "whole" / "checkpoints").glob("step_*.pt"))[0]
+    fit(TrainingConfig(output_dir=str(tmp_path / "cut"), epochs=2, resume_from=str(first),
+                       **qlora))
+    whole, cut = _state(tmp_path / "whole"), _state(tmp_path / "cut")
+    assert whole.keys() == cut.keys()
+    for name in whole:
+        assert torch.equal(whole[name], cut[name]), name
+    fresh = _gpt(whole["wte.weight"].shape[0]).state_dict()
+    bases = [k for k in whole if k.endswith(".base_layer.weight")]
+    assert bases
+    for name in bases:
+        plain = fresh[name.replace(".base_layer.", ".")]
+        four_bit = to_nf4(plain, 64, math.gcd(plain.numel() // 64, 256)).get_original_weight()
+        assert torch.equal(whole[name], four_bit) and not torch.equal(four_bit, plain), name
+    spec = LoraSpec(names=tuple(k.removesuffix(".base_layer.weight") for k in bases), rank=4,
+                    alpha=8.0)
+    exported, merge = load_file(str(tmp_path / "whole" / "model.safetensors")), merged(whole, spec)
+    assert {n.replace(".base_layer.", ".") for n in bases} <= exported.keys()
+    for name, value in exported.items():  # the tied head is stored once, as wte
+        torch.testing.assert_close(value, merge[name], rtol=0, atol=0, msg=name)
+
+
 def test_init_from_a_plain_model_fills_the_wrapped_layers(tmp_path: Path) -> None:
     plain = {k: v for k, v in GPT.items() if not k.startswith("lora_")}
     fit(TrainingConfig(output_dir=str(tmp_path / "plain"), epochs=1, **plain))
@@ -134,6 +170,10 @@ def test_init_from_a_plain_model_fills_the_wrapped_layers(tmp_path: Path) -> Non
     ({"lora_rank": 4, "float8": "tensorwise"}, "--lora_rank with --float8 is unsupported"),
     ({"lora_alpha": 16.0}, "--lora_alpha 16.0 is invalid: it shapes the adapters of --lora_rank"),
     ({"lora_rank": 4, "lora_dropout": 1.0}, "use a probability in [0, 1)"),
+    ({"lora_quantize": "nf4"}, "--lora_quantize 'nf4' is invalid: it shapes the adapters"),
+    ({"lora_rank": 4, "lora_quantize": "nf4", "strategy": "fsdp"},
+     "--lora_quantize nf4 with --strategy fsdp is unsupported"),
+    ({"lora_rank": 4, "lora_quantize": "nf4", "tp": 2}, "--lora_quantize nf4 with --tp is"),
 ])
 def test_what_does_not_combine_is_one_line(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as caught:
@@ -208,3 +248,18 @@ def test_pp_trains_the_adapters_one_process_trains(tmp_path: Path) -> None:
         assert a.keys() == b.keys()
         for key in a:
             torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5, msg=f"{name} {key}")
+
+
+@pytest.mark.slow
+def test_qlora_on_two_ddp_ranks_trains_the_adapters_one_process_trains(tmp_path: Path) -> None:
+    """`--lora_quantize nf4` under ddp: each rank quantizes the same base (after DDP's
+    broadcast of the plain weights), and the adapters end as one process's with the
+    same global batch."""
+    qlora = dict(GPT, epochs=1, lora_quantize="nf4")
+    (two,) = run_ranks(train_and_report, 2, tmp_path,
+                       dict(qlora, output_dir=str(tmp_path / "ddp"), batch_size=16))[:1]
+    (one,) = run_ranks(train_and_report, 1, tmp_path,
+                       dict(qlora, output_dir=str(tmp_path / "one"), batch_size=32))
+    assert two["weights"].keys() == one["weights"].keys()
+    for name, value in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], value, rtol=0, atol=1e-5, msg=name)

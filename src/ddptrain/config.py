@@ -12,6 +12,7 @@ group starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,13 @@ from typing import Any, Literal
 
 from ddptrain.config_sections import SECTIONS
 from ddptrain.config_values import bad as _bad
-from ddptrain.config_values import mix_weights, step_ranges, val_sets
+from ddptrain.config_values import (
+    check_dataset,
+    is_import_ref,
+    mix_weights,
+    step_ranges,
+    val_sets,
+)
 from ddptrain.errors import ConfigError
 
 BUILTIN_DATASETS = ("breast_cancer", "digits", "diabetes", "synthetic", "chars")
@@ -206,6 +213,9 @@ class TrainingConfig:
     lora_dropout: float = _f(0.0, "dropout on the adapters' input")
     lora_targets: list[str] = field(default_factory=list, metadata={"help": "GLOB ...: the "
         "linear layers (module names) the adapters wrap; default: those in the repeated blocks"})
+    lora_quantize: Literal["off", "nf4"] = _f(
+        "off", "QLoRA: keep the adapted layers' frozen weights in 4-bit NormalFloat (nf4, "
+        "torchao; ddp, zero or one process), dequantized as each layer computes")
     lr_scale: dict[str, float] = field(
         default_factory=dict,
         metadata={"help": "GLOB=FACTOR ...: the learning rate of the parameters whose names "
@@ -424,14 +434,14 @@ class TrainingConfig:
             raise ConfigError(f"--mix and --dataset {self.dataset!r} both name the training "
                               "data: give every dataset in --mix, and no --dataset")
         for ds in [name for name, _ in mix_weights(self.mix)] or [self.dataset]:
-            _check_dataset(ds, "mix" if self.mix else "dataset")
+            check_dataset(BUILTIN_DATASETS, ds, "mix" if self.mix else "dataset")
         if self.pack and (self.pp > 1 or self.sequence_parallel):
             flag = "--pp" if self.pp > 1 else "--sequence_parallel"
             raise ConfigError(f"--pack keeps documents apart with a mask that {flag} does not "
                               f"pass on: drop --pack, or train without {flag}")
         for _, ds in val_sets(self.val):
-            _check_dataset(ds, "val")
-        if self.collate is not None and not _is_import_ref(self.collate):
+            check_dataset(BUILTIN_DATASETS, ds, "val")
+        if self.collate is not None and not is_import_ref(self.collate):
             _bad("collate", self.collate, "give package.module:fn, a function of a list of samples")
 
     def _check_model(self) -> None:
@@ -444,10 +454,10 @@ class TrainingConfig:
             if not (Path(self.model[3:]) / "config.json").is_file():
                 _bad("model", self.model, "give hf:DIR, a directory Hugging Face's "
                      "save_pretrained wrote (with its config.json)")
-        elif not (self.model in BUILTIN_MODELS or _is_import_ref(self.model)):
+        elif not (self.model in BUILTIN_MODELS or is_import_ref(self.model)):
             _bad("model", self.model, f"choose one of {', '.join(BUILTIN_MODELS)}, module:fn "
                  "or hf:DIR")
-        if not (self.task in BUILTIN_TASKS or _is_import_ref(self.task)):
+        if not (self.task in BUILTIN_TASKS or is_import_ref(self.task)):
             _bad("task", self.task, f"choose one of {', '.join(BUILTIN_TASKS)} or module:fn")
 
     def _check_optimization(self) -> None:
@@ -459,10 +469,10 @@ class TrainingConfig:
         self._at_least(1, "use a whole number of samples", "global_batch_size")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             _bad("max_grad_norm", self.max_grad_norm, "use a positive norm, or leave it unset")
-        if not (self.optimizer in BUILTIN_OPTIMIZERS or _is_import_ref(self.optimizer)):
+        if not (self.optimizer in BUILTIN_OPTIMIZERS or is_import_ref(self.optimizer)):
             _bad("optimizer", self.optimizer,
                  f"choose one of {', '.join(BUILTIN_OPTIMIZERS)} or package.module:fn")
-        if not (self.scheduler in BUILTIN_SCHEDULERS or _is_import_ref(self.scheduler)):
+        if not (self.scheduler in BUILTIN_SCHEDULERS or is_import_ref(self.scheduler)):
             _bad("scheduler", self.scheduler, "use cosine or package.module:fn")
         for pattern, factor in self.lr_scale.items():
             number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
@@ -472,9 +482,9 @@ class TrainingConfig:
 
     def _check_parallel(self) -> None:
         self._at_least(1, "use a whole number of at least 1 (1: off)", "dp_replicate", "tp", "pp")
-        if self.tp_plan is not None and not _is_import_ref(self.tp_plan):
+        if self.tp_plan is not None and not is_import_ref(self.tp_plan):
             _bad("tp_plan", self.tp_plan, "give package.module:fn, fn(model, tp_mesh)")
-        if self.pp_split is not None and not _is_import_ref(self.pp_split):
+        if self.pp_split is not None and not is_import_ref(self.pp_split):
             _bad("pp_split", self.pp_split, "give package.module:fn, fn(model, stage, stages)")
         self._at_least(1, "use a whole number of at least 1", "pp_microbatches")
 
@@ -494,6 +504,7 @@ class TrainingConfig:
         if not 0 <= self.lora_dropout < 1:
             _bad("lora_dropout", self.lora_dropout, "use a probability in [0, 1)")
         given = [f for f in ("lora_alpha", "lora_targets", "lora_dropout") if getattr(self, f)]
+        given += ["lora_quantize"] if self.lora_quantize != "off" else []
         if given and not self.lora_rank:
             _bad(given[0], getattr(self, given[0]), "it shapes the adapters of --lora_rank: "
                  "give --lora_rank R too")
@@ -501,6 +512,14 @@ class TrainingConfig:
         if self.lora_rank and clash:
             raise ConfigError(f"--lora_rank with --{clash[0]} is unsupported: train the "
                               "adapters with --strategy ddp or fsdp, or --tp")
+        split = "--strategy fsdp" if self.strategy == "fsdp" else "--tp" if self.tp > 1 else (
+            "--pp" if self.pp > 1 else None)
+        if self.lora_quantize != "off" and split is not None:
+            raise ConfigError(f"--lora_quantize {self.lora_quantize} with {split} is "
+                              "unsupported: each rank keeps the whole quantized base; use "
+                              "--strategy ddp or zero (4 bits a weight: 70B in about 36 GB)")
+        if self.lora_quantize != "off" and importlib.util.find_spec("torchao") is None:
+            _bad("lora_quantize", self.lora_quantize, "it needs torchao: pip install torchao")
 
     def _check_checkpoint(self) -> None:
         self._at_least(0, "use a value of 0 or more", "save_every", "save_every_steps",
@@ -551,16 +570,6 @@ class TrainingConfig:
             _bad("timeout_s", self.timeout_s, "use a positive number of seconds")
 
 
-def npy_targets(inputs: Path) -> Path:
-    """The targets file beside an inputs file: x.npy -> y.npy, train_x.npy -> train_y.npy."""
-    return inputs.with_name(inputs.stem[:-1] + "y.npy")
-
-
-def _is_import_ref(value: str) -> bool:
-    module, sep, attr = value.partition(":")
-    return bool(sep and module and attr.isidentifier())
-
-
 # The fields whose value can name code a run imports and calls (`package.module:fn`).
 CODE_FIELDS = ("dataset", "mix", "val", "collate", "model", "task", "optimizer", "scheduler",
                "tp_plan", "pp_split")
@@ -572,26 +581,11 @@ def names_code(field: str, value: Any) -> bool:
     """Whether `value`, given for config field `field`, names code to import and call
     (`hf:DIR`, a model's weights and config, does not)."""
     if field in ("mix", "val") and isinstance(value, list):  # DATASET=WEIGHT, NAME=DATASET
-        return any(_is_import_ref(str(entry).rpartition("=")[0 if field == "mix" else 2])
+        return any(is_import_ref(str(entry).rpartition("=")[0 if field == "mix" else 2])
                    for entry in value)
     if field not in CODE_FIELDS or not isinstance(value, str):
         return False
-    return not (field == "model" and value.startswith("hf:")) and _is_import_ref(value)
-
-
-def _check_dataset(ds: str, flag: str) -> None:
-    if ds.endswith(".npz") and not _is_import_ref(ds):
-        if not Path(ds).is_file():
-            _bad(flag, ds, "no such file; give the path of an .npz with arrays x and y")
-    elif ds.endswith(".npy") and not _is_import_ref(ds):
-        if not Path(ds).stem.endswith("x"):
-            _bad(flag, ds, "name the inputs file x.npy or NAME_x.npy (targets: y.npy)")
-        for path in (Path(ds), npy_targets(Path(ds))):
-            if not path.is_file():
-                _bad(flag, ds, f"no such file {str(path)!r}; put y.npy beside x.npy")
-    elif not (ds in BUILTIN_DATASETS or _is_import_ref(ds)):
-        _bad(flag, ds, f"choose one of {', '.join(BUILTIN_DATASETS)}, a path to an "
-             ".npz or x.npy file, or package.module:fn")
+    return not (field == "model" and value.startswith("hf:")) and is_import_ref(value)
 
 
 def _recompute_mode(on: bool) -> Any:

@@ -33,7 +33,7 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     )),
     "finetune": ("where the weights start, and which train", (
         "init_from", "init_strict", "freeze", "lora_rank", "lora_alpha", "lora_dropout",
-        "lora_targets",
+        "lora_targets", "lora_quantize",
     )),
     "checkpoint": ("the run directory, checkpoints and what the run leaves", (
         "output_dir", "checkpoint_dir", "save_every", "save_every_steps", "keep_last",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 from ddptrain.errors import ConfigError
@@ -14,6 +15,34 @@ from ddptrain.errors import ConfigError
 
 def bad(name: str, value: Any, fix: str) -> NoReturn:
     raise ConfigError(f"--{name} {value!r} is invalid: {fix}")
+
+
+def is_import_ref(value: str) -> bool:
+    """Whether `value` has the form `package.module:fn`."""
+    module, sep, attr = value.partition(":")
+    return bool(sep and module and attr.isidentifier())
+
+
+def npy_targets(inputs: Path) -> Path:
+    """The targets file beside an inputs file: x.npy -> y.npy, train_x.npy -> train_y.npy."""
+    return inputs.with_name(inputs.stem[:-1] + "y.npy")
+
+
+def check_dataset(builtin: tuple[str, ...], ds: str, flag: str) -> None:
+    """A dataset given by `flag`: one of `builtin`, an existing .npz, an x.npy with its
+    y.npy, or package.module:fn."""
+    if ds.endswith(".npz") and not is_import_ref(ds):
+        if not Path(ds).is_file():
+            bad(flag, ds, "no such file; give the path of an .npz with arrays x and y")
+    elif ds.endswith(".npy") and not is_import_ref(ds):
+        if not Path(ds).stem.endswith("x"):
+            bad(flag, ds, "name the inputs file x.npy or NAME_x.npy (targets: y.npy)")
+        for path in (Path(ds), npy_targets(Path(ds))):
+            if not path.is_file():
+                bad(flag, ds, f"no such file {str(path)!r}; put y.npy beside x.npy")
+    elif not (ds in builtin or is_import_ref(ds)):
+        bad(flag, ds, f"choose one of {', '.join(builtin)}, a path to an .npz or x.npy "
+            "file, or package.module:fn")
 
 
 def step_ranges(values: list[Any]) -> list[tuple[int, int]]:

@@ -89,7 +89,7 @@ class Progress:
 #   --lr_scale, --decay_all, --optimizer_args: the parameter groups get the new settings
 #       (the state of each parameter continues in whichever group it is in now)
 #   --model / --width (the weights must fit), --optimizer, --scheduler, --freeze, --task,
-#       --lora_rank, --lora_alpha, --lora_targets: refused
+#       --lora_rank, --lora_alpha, --lora_targets, --lora_quantize: refused
 APPLIED = (
     "lr", "momentum", "weight_decay", "scale_lr", "epochs", "warmup_epochs", "lr_scale",
     "decay_all", "optimizer_args",
@@ -120,8 +120,8 @@ def refuse_incompatible(
         )
     # another schedule's state; other parameters', other adapters'; other samples at the
     # epoch's positions; the best so far judged by another figure
-    for flag in ("scheduler", "freeze", "lora_rank", "lora_alpha", "lora_targets", "mix",
-                 "best_metric"):
+    for flag in ("scheduler", "freeze", "lora_rank", "lora_alpha", "lora_targets",
+                 "lora_quantize", "mix", "best_metric"):
         if flag in saved and saved[flag] != current[flag]:
             was, now = (" ".join(v) if isinstance(v, list) else v
                         for v in (saved[flag], current[flag]))

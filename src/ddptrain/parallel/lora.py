@@ -27,6 +27,7 @@ import fnmatch
 import logging
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,20 +82,25 @@ def targets(module: nn.Module, patterns: list[str], blocks: list[nn.Module]) -> 
     return found
 
 
-def _peft() -> Any:
-    """peft, imported quietly (torchao and torch's pytree log at import)."""
+def _quietly(importer: Callable[[], Any]) -> Any:
+    """What `importer` imports, quietly (torchao and torch's pytree log at import)."""
     loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        import peft
-    except ImportError:
-        raise ConfigError("--lora_rank needs peft: pip install 'ddptrain[lora]'") from None
+        return importer()
     finally:
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
-    return peft
+
+
+def _peft() -> Any:
+    """peft, imported quietly."""
+    try:
+        return _quietly(lambda: __import__("peft"))
+    except ImportError:
+        raise ConfigError("--lora_rank needs peft: pip install 'ddptrain[lora]'") from None
 
 
 @dataclass(frozen=True)
@@ -164,6 +170,48 @@ def adapter_start(name: str, shape: torch.Size, dtype: torch.dtype, seed: int) -
         value = torch.empty(shape, dtype=dtype)
         nn.init.kaiming_uniform_(value, a=math.sqrt(5))
     return value
+
+
+def quantize_base(module: nn.Module, spec: LoraSpec) -> int:
+    """`--lora_quantize nf4` (QLoRA): each adapted layer's frozen weight kept in 4-bit
+    NormalFloat (torchao's NF4Tensor: blocks of 64 weights, each with a scale, the scales
+    quantized in turn), dequantized as the layer computes; returns the bytes it frees.
+
+    The module's state gives these weights dequantized (checkpoints, exports and
+    `evaluate` read plain tensors), and a load leaves the quantized ones as they are: a
+    resume makes them again, the same, from the run's starting weights, while quantizing
+    the dequantized ones again would not give them back bit for bit."""
+    to_nf4 = _quietly(lambda: __import__("torchao.quantization", fromlist=["to_nf4"]).to_nf4)
+    freed = 0
+    for name in spec.names:
+        layer: Any = module.get_submodule(name).base_layer  # peft's wrapped layer
+        weight = layer.weight.detach()
+        if weight.numel() % NF4_BLOCK:
+            continue  # too small to split into blocks: stays as it is
+        scalers = weight.numel() // NF4_BLOCK
+        quantized = to_nf4(weight, NF4_BLOCK, math.gcd(scalers, 256))
+        layer.weight = nn.Parameter(quantized, requires_grad=False)
+        freed += weight.numel() * weight.element_size() - _nf4_bytes(quantized)
+        layer._register_state_dict_hook(_dequantized)
+        layer._register_load_state_dict_pre_hook(_kept, with_module=True)
+    return freed
+
+
+NF4_BLOCK = 64  # weights per scale (QLoRA's)
+
+
+def _nf4_bytes(quantized: Any) -> int:
+    parts = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
+    return sum(t.numel() * t.element_size() for t in (getattr(quantized, p) for p in parts))
+
+
+def _dequantized(layer: Any, state: dict[str, Any], prefix: str, _: Any) -> None:
+    state[prefix + "weight"] = layer.weight.get_original_weight()
+
+
+def _kept(layer: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    if prefix + "weight" in state:
+        state[prefix + "weight"] = layer.weight  # copied onto itself: unchanged
 
 
 def plain_state(state: dict[str, torch.Tensor], module: nn.Module,

@@ -186,7 +186,9 @@ def format_plan(plan: RunPlan, config: TrainingConfig) -> str:
         f"checkpoints     {plan.checkpoints}",
     ]
     if plan.frozen is not None and plan.parameters is not None:
-        why = (f" (LoRA adapters of rank {config.lora_rank} train, the model is frozen)"
+        base = (", the adapted layers' weights in 4-bit nf4" if config.lora_quantize != "off"
+                else "")
+        why = (f" (LoRA adapters of rank {config.lora_rank} train, the model is frozen{base})"
                if config.lora_rank else " (--freeze)" if plan.frozen else "")
         held = ("" if plan.trained_bytes is None or plan.world_size == 1
                 else f" ({human_bytes(plan.trained_bytes)} of them on rank 0)")

@@ -26,7 +26,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +34,6 @@ from torch import nn
 
 from ddptrain.checkpoint import Checkpointer, Progress
 from ddptrain.checkpoint.export import export_run
-from ddptrain.checkpoint.init import fill_pretrained, holds_safetensors, load_initial_weights
 from ddptrain.checkpoint.rng import gather_rng_states, seed_process
 from ddptrain.context import DistributedContext, gather_to_main
 from ddptrain.data import (
@@ -53,7 +51,6 @@ from ddptrain.data import (
 )
 from ddptrain.files import atomic_write_text
 from ddptrain.models import build_model, hf_dir, is_hf_model, is_hf_ref
-from ddptrain.models.hf import renames_weights
 from ddptrain.observe import Console, Curves, Hook, Hooks, MetricsWriter
 from ddptrain.observe.flops import gpu_fields, meta_shadow
 from ddptrain.observe.hang import POSITION, StallWatch
@@ -61,7 +58,7 @@ from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.startup import Phases
 from ddptrain.observe.trackers import tracker_hooks
 from ddptrain.observe.writer import RunLogError
-from ddptrain.parallel.base import FILLED_BY_BUILDER, nbytes
+from ddptrain.parallel.base import nbytes
 from ddptrain.parallel.lora import LoraSpec, adapt
 from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.parallel.mesh import attach_mesh
@@ -80,6 +77,7 @@ from ddptrain.train.optim import build_optimizer, build_scheduler
 from ddptrain.train.plan import Resolved, RunPlan, format_plan, make_plan
 from ddptrain.train.resume import restore, take_best
 from ddptrain.train.rollback import SkippedSteps, roll_back
+from ddptrain.train.start import fill_start, initial_weights, mark_per_rank
 from ddptrain.train.steer import SpikeRollback, SteeredStop, Steering, steering_hooks
 from ddptrain.train.stepping import Verdicts, optimizer_step, skipped_step
 from ddptrain.train.stop import StopRequest
@@ -132,11 +130,7 @@ class Trainer:
         # Wrapped (or sharded in place) before the optimizer sees the parameters: under
         # fsdp they become shards, and a checkpoint loads into the shards.
         self.model: Any = self.strategy.setup_module(self.module)  # maybe compiled below
-        if getattr(self.module, FILLED_BY_BUILDER, False):  # hf:DIR, read per rank
-            fill_pretrained(
-                self.module, self.flops_model, config.model, ctx, config.seed,
-                self.strategy.ties(self.module), read=not (config.init_from and config.init_strict),
-            )
+        started = fill_start(self)  # hf:DIR per rank; --lora_quantize's base
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimization = build_optimizer(config, self.module, self.strategy, ctx.data_world)
         self.optimizer = self.optimization.optimizer
@@ -186,8 +180,8 @@ class Trainer:
         self.best_key, self.best_mode = ranking(config, self.task)  # --best_metric
         self.skips = SkippedSteps(config, ctx)  # --skip_steps, and the run's rollbacks
         self.resumed_from = restore(self)
-        if config.init_from is not None:
-            self._initial_weights(config.init_from)
+        if config.init_from is not None and not started:
+            initial_weights(self, config.init_from)
         self.last_inputs: Any = None  # model inputs of the newest micro-batch (FLOPs, fsdp eval)
         if config.compile:
             # ddp, zero: the wrapper; fsdp: each block (see `Strategy.compile`)
@@ -209,26 +203,12 @@ class Trainer:
                 task=self.task.name, model=module,
             )
             self.lora = adapt(built, cfg)  # --lora_rank: its adapters, the rest frozen
-            if (module is None and device.type == "meta" and is_hf_ref(cfg.model)
-                    and holds_safetensors(hf_dir(cfg.model)) and not renames_weights(built)):
-                # no whole copy anywhere: each rank reads its part after setup_module
-                setattr(built, FILLED_BY_BUILDER, True)
+            mark_per_rank(built, cfg, module is None and device.type == "meta")
             return built
 
         if isinstance(module, nn.Module):
             return build(self.ctx.device)
         return self.strategy.build_module(build)
-
-    def _initial_weights(self, source: str) -> None:
-        """`--init_from`: the weights a fresh run starts from; a resumed run keeps its own."""
-        if self.resumed_from is not None:
-            log.info("--init_from %s is ignored: the run resumes from %s (a run that goes on "
-                     "never re-initialises)", source, self.resumed_from)
-            return
-        load_initial_weights(self.module, Path(source), self.ctx, self.config.init_strict,
-                             self.strategy.ties(self.module))
-        if self.ema is not None:  # the average starts from the weights the run starts from
-            self.ema = EMA(self.module, self.ema.decay)
 
     @property
     def memory_format(self) -> torch.memory_format | None:
