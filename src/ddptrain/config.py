@@ -93,6 +93,8 @@ class TrainingConfig:
     pack: bool = _f(False, "pack the dataset's token documents end to end into --block_size "
                     "windows, each document attending and positioned on its own")
     sync_bn: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm")
+    moe_aux_weight: float = _f(0.01, "weight of a mixture of experts' load-balancing loss "
+                               "(its routers'), added to the training loss")
     val_fraction: float | None = _f(
         None,
         "share of the data held out for validation, fixed by --seed (default 0.2; refused "
@@ -448,6 +450,7 @@ class TrainingConfig:
         self._at_least(1, "use a whole number of at least 1", "width")
         self._at_least(1, "use a whole number of at least 1, or leave it unset",
                        "num_classes", "in_channels", "image_size")
+        self._at_least(0, "use a weight of 0 (off) or more", "moe_aux_weight")
         if self.num_classes is not None and self.num_classes < 2:
             _bad("num_classes", self.num_classes, "a classifier needs at least 2 classes")
         if self.model.startswith("hf:"):

@@ -15,7 +15,7 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     )),
     "model": ("the model and what it learns", (
         "model", "model_args", "task", "task_args", "num_classes", "in_channels", "image_size",
-        "width", "sync_bn",
+        "width", "sync_bn", "moe_aux_weight",
     )),
     "optimization": ("the optimizer, its schedule and the step", (
         "epochs", "optimizer", "optimizer_args", "lr", "momentum", "weight_decay", "lr_scale",

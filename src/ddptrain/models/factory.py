@@ -43,6 +43,10 @@ def build_model(
     return built
 
 
+# The built-in GPT's --model_args: a mixture of experts in each block (`models.moe`).
+GPT_ARGS = ("experts", "top_k")
+
+
 def model_name(config: TrainingConfig, data: DataBundle) -> str:
     """The built-in model `--model auto` means for this data, or `--model` itself."""
     if config.model != "auto":
@@ -85,12 +89,15 @@ def create_model(
         if not isinstance(model, nn.Module):
             raise ConfigError(f"--model {name!r} returned {type(model).__name__}, not nn.Module")
     else:
-        if config.model_args:
-            given = " ".join(f"{k}={v}" for k, v in config.model_args.items())
+        takes = GPT_ARGS if name == "gpt" else ()
+        stray = {k: v for k, v in config.model_args.items() if k not in takes}
+        if stray:
+            given = " ".join(f"{k}={v}" for k, v in stray.items())
+            also = f" but {', '.join(takes)} (a mixture of experts)" if takes else ""
             raise ConfigError(
-                f"--model {name} takes no --model_args (given: {given}): a built-in model's "
-                "size is --width (and --block_size); --model_args are for a module:fn or "
-                "hf:DIR model"
+                f"--model {name} takes no --model_args{also} (given: {given}): a built-in "
+                "model's size is --width (and --block_size); --model_args are for a "
+                "module:fn or hf:DIR model"
             )
         model = _builtin(name, config, data, _outputs(name, outputs))
     if config.sync_bn:
@@ -117,9 +124,14 @@ def _builtin(name: str, config: TrainingConfig, data: DataBundle, outputs: int) 
             )
         from ddptrain.models.gpt import build_gpt
 
+        moe = {k: v for k, v in config.model_args.items() if k in GPT_ARGS}
+        if moe and (config.tp > 1 or config.pp > 1):
+            raise ConfigError("--model gpt with experts under --tp or --pp is not supported "
+                              "yet: train a mixture of experts under ddp, zero or fsdp")
         try:
-            return build_gpt(outputs, shape[0], config.width)
-        except ValueError as exc:
+            return build_gpt(outputs, shape[0], config.width, **{
+                k: int(v) for k, v in moe.items()})
+        except (ValueError, TypeError) as exc:
             raise ConfigError(f"--model gpt: {exc}") from None
     if name == "miniresnet":
         if not data.is_image:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ddptrain.data.pack import document_mask
+from ddptrain.models.moe import MoE
 
 DEFAULT_N_LAYER = 2
 DEFAULT_N_HEAD = 4
@@ -34,6 +35,8 @@ class GPTConfig:
     n_head: int
     n_embd: int
     dropout: float = 0.0
+    experts: int = 0  # > 0: each block's MLP a mixture of this many experts (`moe.MoE`)
+    top_k: int = 2  # ... each token going to this many of them
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -45,6 +48,9 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if self.experts and not (self.experts >= 2 and 1 <= self.top_k <= self.experts):
+            raise ValueError(f"experts={self.experts} top_k={self.top_k}: a mixture needs at "
+                             "least 2 experts and 1 <= top_k <= experts")
 
 
 class CausalSelfAttention(nn.Module):
@@ -116,7 +122,10 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = MLP(config) if not config.experts else MoE(
+            config.n_embd, 4 * config.n_embd, config.experts, config.top_k, config.dropout,
+            out_std=0.02 / math.sqrt(2 * config.n_layer),
+        )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         # the mask only when there is one: tp's sequence-parallel plan prepares one input
@@ -139,7 +148,7 @@ class GPT(nn.Module):
         # Weight tying: input and output embeddings share one matrix, which saves
         # vocab_size * n_embd parameters and generally helps small language models.
         self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
+        self.apply(self._init_weights)  # the experts' batched weights keep their own
         # GPT-2 scaling: each residual projection is shrunk by 1/sqrt(2 * n_layer) so the
         # residual stream's variance does not grow with depth.
         for name, p in self.named_parameters():
@@ -182,8 +191,10 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def build_gpt(vocab_size: int, block_size: int, width: int) -> GPT:
-    """A small default GPT: `width`-dimensional embeddings, 2 layers, 4 attention heads."""
+def build_gpt(vocab_size: int, block_size: int, width: int, experts: int = 0,
+              top_k: int = 2) -> GPT:
+    """A small default GPT: `width`-dimensional embeddings, 2 layers, 4 attention heads;
+    `experts` > 0: a mixture of that many experts in each block, `top_k` per token."""
     if width % DEFAULT_N_HEAD:
         raise ValueError(
             f"width {width} must be divisible by the number of attention heads "
@@ -196,5 +207,7 @@ def build_gpt(vocab_size: int, block_size: int, width: int) -> GPT:
             n_layer=DEFAULT_N_LAYER,
             n_head=DEFAULT_N_HEAD,
             n_embd=width,
+            experts=experts,
+            top_k=top_k,
         )
     )

@@ -17,7 +17,7 @@ NOT_METRICS = {
     "split", "epoch", "step", "samples", "lr", "samples_per_sec", "step_time_s",
     "data_wait_frac", "peak_rss_mb", "bad_steps", "epoch_time_s", "tokens", "peak_cuda_mb",
     "tflops_per_sec", "mfu", "run_id", "first_step_s", "stragglers",
-    "startup_s",
+    "startup_s", "expert_tokens", "expert_tokens_min", "expert_tokens_max",
 }
 
 

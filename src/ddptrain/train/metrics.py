@@ -15,13 +15,16 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ddptrain.context import DistributedContext
 from ddptrain.train.tasks import Score, Task
+
+if TYPE_CHECKING:
+    from ddptrain.train.routing import Routing
 
 log = logging.getLogger("ddptrain")
 
@@ -37,9 +40,9 @@ class MetricSums:
     and no host sync; counts known on the host (samples) stay Python ints.
     """
 
-    def __init__(self, task: Task, device: torch.device) -> None:
-        self.task = task
-        self.names = ("loss", "count", *task.metric_names)
+    def __init__(self, task: Task, device: torch.device, routing: Routing | None = None) -> None:
+        self.task, self.routing = task, routing  # routing: a mixture of experts' figures
+        self.names = ("loss", "count", *task.metric_names, *(routing.names if routing else ()))
         zero = torch.zeros(len(self.names), dtype=torch.float64, device=device)
         # committed, the pending window, a window set aside until its step's verdict
         self._sums, self._win, self._held = zero.clone(), zero.clone(), zero.clone()
@@ -106,7 +109,11 @@ class MetricSums:
 
     def summarize(self, totals: list[float]) -> dict[str, float]:
         """The task's metrics from global totals (or from a difference of two)."""
-        return summarize(self.task, self.names, totals)
+        row = summarize(self.task, self.names, totals)
+        named = dict(zip(self.names, totals, strict=False))
+        if self.routing is not None and named["count"] > 0:
+            row.update(self.routing.fields(named, named["count"]))
+        return row
 
 
 def reduce_snapshots(

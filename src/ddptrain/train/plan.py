@@ -82,6 +82,7 @@ class RunPlan:
     frozen: int | None = None  # parameters --freeze keeps from training (None: no model yet)
     groups: tuple[str, ...] = ()  # the optimizer's parameter groups, one line each
     trained_bytes: int | None = None  # of the trained parameters (LoRA's adapters), on rank 0
+    experts: tuple[int, int] | None = None  # a mixture's expert parameters, their bytes on rank 0
 
     @property
     def samples_per_epoch(self) -> int | None:
@@ -92,7 +93,7 @@ def make_plan(
     config: TrainingConfig, data: DataBundle, world_size: int, device: str, backend: str,
     precision: str, task: str, parameters: int | None, strategy: StrategyChoice,
     steps: int | None = None, frozen: int | None = None, groups: list[str] | None = None,
-    trained_bytes: int | None = None,
+    trained_bytes: int | None = None, experts: tuple[int, int] | None = None,
 ) -> RunPlan:
     """`steps`: optimizer steps per epoch as the trainer's batches counted them (derived
     from the data when no trainer exists yet: the dry run)."""
@@ -124,7 +125,7 @@ def make_plan(
         ),
         device_bytes=strategy.device_bytes, largest=strategy.largest_models(optimizer_slots(cfg)),
         classes=_classes(data, task), frozen=frozen, groups=tuple(groups or ()),
-        trained_bytes=trained_bytes,
+        trained_bytes=trained_bytes, experts=experts,
     )
 
 
@@ -194,6 +195,11 @@ def format_plan(plan: RunPlan, config: TrainingConfig) -> str:
                 else f" ({human_bytes(plan.trained_bytes)} of them on rank 0)")
         lines.append(f"trained         {plan.parameters - plan.frozen:,} parameters{held}, "
                      f"{plan.frozen:,} frozen{why}")
+    if plan.experts is not None and plan.parameters:
+        in_experts, on_rank0 = plan.experts
+        lines.append(f"experts         {in_experts:,} parameters in the experts "
+                     f"({100 * in_experts / plan.parameters:.0f}% of the model; "
+                     f"{human_bytes(on_rank0)} of them on rank 0)")
     if plan.groups:
         lines.append(f"optimizer       {_optimizer_name(config)}, {len(plan.groups)} "
                      "parameter group(s):")

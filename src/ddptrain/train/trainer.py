@@ -51,6 +51,7 @@ from ddptrain.data import (
 )
 from ddptrain.files import atomic_write_text
 from ddptrain.models import build_model, hf_dir, is_hf_model, is_hf_ref
+from ddptrain.models.moe import expert_parameters
 from ddptrain.observe import Console, Curves, Hook, Hooks, MetricsWriter
 from ddptrain.observe.flops import gpu_fields, meta_shadow
 from ddptrain.observe.hang import POSITION, StallWatch
@@ -77,6 +78,7 @@ from ddptrain.train.optim import build_optimizer, build_scheduler
 from ddptrain.train.plan import Resolved, RunPlan, format_plan, make_plan
 from ddptrain.train.resume import restore, take_best
 from ddptrain.train.rollback import SkippedSteps, roll_back
+from ddptrain.train.routing import Routing
 from ddptrain.train.start import fill_start, initial_weights, mark_per_rank
 from ddptrain.train.steer import SpikeRollback, SteeredStop, Steering, steering_hooks
 from ddptrain.train.stepping import Verdicts, optimizer_step, skipped_step
@@ -116,6 +118,7 @@ class Trainer:
         self.module = self._build_module(module)
         self.call = ModelCall(self.module, packed=config.pack)
         self.scorer = Scorer(self.task, device)
+        self.routing = Routing.of(self.module, config.moe_aux_weight)  # mixture of experts
         self._setup_data()
         # FLOPs are counted on a meta-device shadow (no data) taken before the module is
         # wrapped or sharded: an FSDP module cannot be copied. Only GPU rows report them.
@@ -469,6 +472,8 @@ class Trainer:
             self.parameter_count, self.choice,
             self.steps_per_epoch, frozen=self.frozen, groups=self.optimization.lines,
             trained_bytes=sum(nbytes(p) for p in self.module.parameters() if p.requires_grad),
+            experts=(sum(p.numel() for p in experts), sum(nbytes(p) for p in experts))
+            if (experts := expert_parameters(self.module)) else None,
         )
 
     def _save_mid_epoch(
@@ -532,9 +537,11 @@ class Trainer:
                 score = self.scorer.score(
                     parse_output(output[: stop - start]), held[start:stop], None
                 )
+            # the routers' balancing loss trains; the figures logged are the task's
+            total = score.loss_sum if self.routing is None else self.routing.add(score)
             if not micro.pad:
                 sums.update(score)
-            return self.scaler.scale(score.loss_sum if scale == 1.0 else score.loss_sum * scale)
+            return self.scaler.scale(total if scale == 1.0 else total * scale)
 
         self.strategy.forward_backward(
             self.call, self.model, inputs, loss, micro.ends_window, self.precision.autocast
@@ -548,7 +555,8 @@ class Trainer:
         return self.ctx.data_world / micro.window_samples
 
     def _new_meter(self) -> EpochMeter:
-        meter = EpochMeter(MetricSums(self.task, self.ctx.device), self.progress.step)
+        meter = EpochMeter(MetricSums(self.task, self.ctx.device, self.routing),
+                           self.progress.step)
         saved, self.resumed_meter = self.resumed_meter, None
         if saved:  # mid-epoch resume: the epoch's figures continue from the checkpoint
             meter.restore(saved, self.ctx.is_main)

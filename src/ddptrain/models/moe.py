@@ -1,0 +1,97 @@
+"""A mixture of experts in place of the built-in GPT's MLP:
+
+    ddptrain train --dataset chars --model gpt --model_args experts=8 top_k=2
+
+Each block's MLP becomes `experts` MLPs and a router, a linear layer scoring every token
+for every expert. A token goes to the `top_k` experts with the highest softmax
+probability and leaves as their outputs weighted by those probabilities (renormalised
+over its k). Routing is dropless: every token reaches all k of its experts, however
+unevenly the router spreads them, so nothing depends on a capacity and the output is
+that of the dense computation of the chosen experts.
+
+The experts' weights are batched tensors, (experts, in, out) and (experts, out), so that
+a sharding over the experts is a split of dimension 0. The tokens are sorted by expert
+and each expert multiplies its contiguous rows (the group sizes are read on the host: one
+read per layer and forward, as torchtitan's loop over experts does).
+
+Each forward leaves `last`: the router's load-balancing loss (Switch Transformer's:
+experts x the sum over experts of the fraction of token slots it got times its mean
+probability; 1 when perfectly even) and the token slots each expert got. The training
+loop adds the loss, weighted by `--moe_aux_weight`, and logs the counts
+(`ddptrain.train.routing`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class MoE(nn.Module):
+    """`experts` GELU MLPs (width -> hidden -> width) behind a top-k router."""
+
+    def __init__(self, width: int, hidden: int, experts: int, top_k: int, dropout: float = 0.0,
+                 out_std: float = 0.02) -> None:
+        super().__init__()
+        if experts < 2 or not 1 <= top_k <= experts:
+            raise ValueError(f"a mixture needs at least 2 experts and 1 <= top_k <= experts, "
+                             f"got experts={experts} top_k={top_k}")
+        self.top_k = top_k
+        self.router = nn.Linear(width, experts, bias=False)
+        self.w_in = nn.Parameter(torch.empty(experts, width, hidden))
+        self.b_in = nn.Parameter(torch.zeros(experts, hidden))
+        self.w_out = nn.Parameter(torch.empty(experts, hidden, width))
+        self.b_out = nn.Parameter(torch.zeros(experts, width))
+        self.dropout = nn.Dropout(dropout)
+        self.out_std = out_std
+        self.reset_parameters()
+        # (load-balancing loss, token slots per expert) of the newest forward
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def reset_parameters(self) -> None:
+        """GPT-2's initialisation, the output projections shrunk with depth (`out_std`)."""
+        nn.init.normal_(self.router.weight, std=0.02)
+        nn.init.normal_(self.w_in, std=0.02)
+        nn.init.normal_(self.w_out, std=self.out_std)
+        nn.init.zeros_(self.b_in)
+        nn.init.zeros_(self.b_out)
+
+    @property
+    def experts(self) -> int:
+        return self.router.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.size(-1))
+        probs = F.softmax(self.router(flat).float(), dim=-1)  # (tokens, experts)
+        weight, chosen = probs.topk(self.top_k, dim=-1)  # (tokens, k)
+        weight = (weight / weight.sum(-1, keepdim=True)).to(x.dtype)
+        slots = chosen.reshape(-1)  # token i's k slots at i*k .. i*k+k-1
+        counts = torch.bincount(slots, minlength=self.experts)
+        order = slots.argsort(stable=True)  # the slots grouped by expert, in token order
+        token = order // self.top_k
+        out = self._experts(flat[token], counts) * weight.reshape(-1)[order, None]
+        mixed = torch.zeros_like(flat).index_add_(0, token, out)
+        share = counts.float() / slots.numel()
+        self.last = (self.experts * (share * probs.mean(0)).sum(), counts)
+        return self.dropout(mixed.view_as(x))
+
+    def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each expert's MLP on its contiguous share of `rows`."""
+        parts = rows.split(counts.tolist())
+        return torch.cat([
+            F.gelu(part @ self.w_in[e] + self.b_in[e]) @ self.w_out[e] + self.b_out[e]
+            for e, part in enumerate(parts)
+        ])
+
+
+def expert_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """The experts' parameters of `module`'s mixtures: this module's batched weights, and
+    a Hugging Face model's (`...experts...`: Mixtral, Qwen3-MoE), each once."""
+    found: dict[int, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        leaf = name.rpartition(".")[2]
+        owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        if (isinstance(owner, MoE) and leaf != "weight") or ".experts." in f".{name}":
+            found.setdefault(id(p), p)
+    return list(found.values())

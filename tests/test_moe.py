@@ -1,0 +1,153 @@
+"""Mixtures of experts: the built-in GPT's (`--model_args experts=E top_k=K`,
+`ddptrain.models.moe`) and a Hugging Face Mixtral built from a config.
+
+One process (fast tier): the layer equals the dense computation of each token's chosen
+experts; a run logs each expert's token slots per layer, which sum to the tokens times
+top_k; the routers' balancing loss trains (`--moe_aux_weight`) while the rows' loss stays
+the task's; a resume goes on bit for bit; what does not combine is one line. 2 ranks
+(slow tier): fsdp (the experts' batched weights sharded) ends with ddp's weights, for the
+built-in GPT and for Mixtral.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from ddptrain import fit
+from ddptrain.config import TrainingConfig
+from ddptrain.errors import ConfigError
+from ddptrain.models.moe import MoE
+
+GPT = dict(dataset="chars", model="gpt", model_args={"experts": 4, "top_k": 2}, width=32,
+           block_size=16, batch_size=32, seed=3, optimizer="sgd", lr=0.2, momentum=0.9,
+           max_grad_norm=1.0, tensorboard=False, curves=False, synthetic_size=256,
+           log_interval=1)
+
+
+def test_the_layer_is_the_dense_sum_of_each_tokens_chosen_experts() -> None:
+    torch.manual_seed(0)
+    moe = MoE(width=8, hidden=16, experts=4, top_k=2)
+    with torch.no_grad():
+        moe.b_in.normal_()
+        moe.b_out.normal_()
+    x = torch.randn(3, 5, 8)
+    got = moe(x)
+    aux, counts = moe.last  # type: ignore[misc]
+    flat = x.reshape(-1, 8)
+    probs = F.softmax(moe.router(flat), dim=-1)
+    want = torch.zeros_like(flat)
+    chosen_all = []
+    for i, token in enumerate(flat):
+        p, chosen = probs[i].topk(2)
+        chosen_all += chosen.tolist()
+        for w, e in zip(p / p.sum(), chosen.tolist(), strict=True):
+            want[i] += w * (F.gelu(token @ moe.w_in[e] + moe.b_in[e]) @ moe.w_out[e]
+                            + moe.b_out[e])
+    torch.testing.assert_close(got.reshape(-1, 8), want, rtol=0, atol=1e-6)
+    assert counts.tolist() == [chosen_all.count(e) for e in range(4)]
+    assert int(counts.sum()) == 15 * 2
+    share = counts.float() / 30
+    torch.testing.assert_close(aux, 4 * (share * probs.mean(0)).sum())
+    got.sum().backward()  # every expert that got a token has a gradient
+    assert moe.w_in.grad is not None
+    used = counts > 0
+    assert (moe.w_in.grad[used].abs().sum((1, 2)) > 0).all()
+
+
+def _rows(run: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("split") == "train" and "expert_tokens" in r]
+
+
+def test_a_run_logs_each_experts_tokens_and_trains_the_routers_balance(tmp_path: Path) -> None:
+    fit(TrainingConfig(output_dir=str(tmp_path / "moe"), epochs=1, **GPT))
+    rows = _rows(tmp_path / "moe")
+    assert len(rows) >= 30
+    for row in rows:
+        layers = row["expert_tokens"]
+        assert len(layers) == 2 and all(len(layer) == 4 for layer in layers)
+        # 2 blocks, each sending each of the interval's tokens to 2 experts
+        assert [sum(layer) for layer in layers] == [row["tokens"] * 2] * 2, row
+        assert row["expert_tokens_min"] == min(min(layer) for layer in layers)
+        assert row["expert_tokens_max"] == max(max(layer) for layer in layers)
+        assert 1.0 <= row["router_aux"] < 4.0  # 1: even; 4 (experts): one expert takes all
+    # the balancing loss trains the routers, and only the rows' router_aux shows it
+    fit(TrainingConfig(output_dir=str(tmp_path / "off"), epochs=1,
+                       **{**GPT, "moe_aux_weight": 0.0}))
+    off = _rows(tmp_path / "off")
+    assert off[0]["loss"] == rows[0]["loss"]  # the first step's: the task's loss alone
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(tmp_path / r / "model.safetensors")) for r in ("moe", "off"))
+    assert not torch.equal(a["blocks.0.mlp.router.weight"], b["blocks.0.mlp.router.weight"])
+
+
+def test_a_resumed_run_goes_on_bit_for_bit(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    fit(TrainingConfig(output_dir=str(tmp_path / "whole"), epochs=2, **GPT))
+    first = sorted((tmp_path / "whole" / "checkpoints").glob("step_*.pt"))[0]
+    fit(TrainingConfig(output_dir=str(tmp_path / "cut"), epochs=2, resume_from=str(first),
+                       **GPT))
+    whole, cut = (load_file(str(tmp_path / r / "model.safetensors")) for r in ("whole", "cut"))
+    assert whole.keys() == cut.keys() and any(".w_in" in k for k in whole)
+    for name in whole:
+        assert torch.equal(whole[name], cut[name]), name
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"tp": 2}, "--model gpt with experts under --tp or --pp is not supported yet"),
+    ({"model_args": {"experts": 1}}, "a mixture needs at least 2 experts"),
+    ({"model_args": {"experts": 4, "top_k": 5}}, "1 <= top_k <= experts"),
+    ({"model_args": {"expert": 4}}, "--model gpt takes no --model_args but experts, top_k"),
+    ({"model": "mlp", "dataset": "digits"}, "--model mlp takes no --model_args"),
+])
+def test_what_does_not_combine_is_one_line(
+    fields: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    from ddptrain.data.sources import load_data
+    from ddptrain.models import create_model
+
+    config = TrainingConfig(output_dir=str(tmp_path), **{**GPT, **fields})
+    data = load_data(config)
+    with pytest.raises(ConfigError) as caught:
+        create_model(config, data, data.facts.vocab_size or 10, torch.device("meta"))
+    assert message in str(caught.value)
+
+
+@pytest.mark.slow
+def test_fsdp_ends_with_ddps_weights_for_the_gpts_and_mixtrals_experts(tmp_path: Path) -> None:
+    """2 ranks, SGD with momentum, clipping and 2-step accumulation: fsdp shards the
+    experts' batched weights (dimension 0, the experts) and ends within 1e-5 of ddp. The
+    Mixtral is Hugging Face's, built from a config (its experts fused by transformers)."""
+    transformers = pytest.importorskip("transformers")
+    from dist_utils import run_ranks
+    from nd_workers import fit_runs
+
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+    )).save_pretrained(tmp_path / "mixtral")
+    mixtral = dict(GPT, dataset="hfplug:counting_windows", model=f"hf:{tmp_path / 'mixtral'}",
+                   model_args={}, batch_size=8)
+    runs = {name: dict(cfg, epochs=1, grad_accum_steps=2, batch_size=8, synthetic_size=128)
+            for name, cfg in (("gpt", GPT), ("mixtral", mixtral))}
+
+    def layout(strategy: str) -> list[dict[str, Any]]:
+        return [dict(cfg, strategy=strategy, output_dir=str(tmp_path / strategy / name))
+                for name, cfg in runs.items()]
+
+    ddp = run_ranks(fit_runs, 2, tmp_path, layout("ddp"))[0]
+    fsdp = run_ranks(fit_runs, 2, tmp_path, layout("fsdp"))[0]
+    for name, want, got in zip(runs, ddp, fsdp, strict=True):
+        assert got["weights"].keys() == want["weights"].keys(), name
+        for key, value in want["weights"].items():
+            torch.testing.assert_close(got["weights"][key], value, rtol=0, atol=1e-5,
+                                       msg=f"{name} {key}")
