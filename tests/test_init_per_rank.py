@@ -234,3 +234,19 @@ def test_a_model_of_1_gb_is_written_and_read_back_with_no_rank_holding_it_whole(
         assert load[rank]["rss_growth"] < bound, (rank, load[rank], bound)
     asked = [load[rank]["asked"] for rank in (0, 1)]
     assert sum(asked) == whole and max(asked) < 0.55 * whole, (asked, whole)
+
+
+@pytest.mark.slow
+def test_adapters_on_a_directory_read_per_rank_start_and_end_as_ddps(tmp_path: Path) -> None:
+    """`--lora_rank` on `--model hf:DIR` under fsdp (the model built on meta, each rank
+    reading its shards, the adapters from `adapter_start`) trains the same adapters as
+    ddp (the model loaded whole, the adapters drawn the same way)."""
+    _llama(1).save_pretrained(tmp_path / "source", max_shard_size="100KB")
+    runs = [{**RUN, "model": f"hf:{tmp_path / 'source'}", "lora_rank": 4, "batch_size": 8,
+             "strategy": strategy, "output_dir": str(tmp_path / strategy)}
+            for strategy in ("ddp", "fsdp")]
+    ddp, fsdp = run_ranks(fit_runs, 2, tmp_path, runs)[0]
+    assert any(".lora_A." in k for k in ddp["weights"])
+    assert ddp["weights"].keys() == fsdp["weights"].keys()
+    for name, value in ddp["weights"].items():
+        torch.testing.assert_close(fsdp["weights"][name], value, atol=1e-5, rtol=0, msg=name)
