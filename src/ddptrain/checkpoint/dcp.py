@@ -18,6 +18,9 @@ thread (on its own gloo group) while training goes on; a run has at most one sav
 flight: the next save, a stop and the end of the run wait for it first. The copies go
 into staging buffers kept from one save to the next (pinned on CUDA, so the copy off the
 GPU is fast), and the save plan, the same at every save, is agreed on once and cached.
+On a GPU that copy is itself made in a thread of the stager's, on a stream of its own,
+while the next step's forward and backward run; the next optimizer step first waits for
+it (`settle`), so the weights do not change under it.
 
 Every rank takes the checksums of what it writes as it writes it, each file's and each
 entry's (`summing`), and rank 0 records them in `meta.pt` (`shards`, `items`). A resume
@@ -56,6 +59,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.futures import Future
 
 from ddptrain.checkpoint.common import (
@@ -311,12 +315,11 @@ class ShardedCheckpointer:
         # collectives never interleave with the training loop's on the default group.
         self.waiting = group
         self.group = group.group if group is not None else None
-        on_gpu = ctx.device.type == "cuda"
-        self.stager = DefaultStager(StagingOptions(
-            use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
-            use_non_blocking_copy=on_gpu,
-        )) if background else None
-        # (a Future, partial, final, meta, best, the writer)
+        options = staging_options(ctx.device)
+        self.async_staging = background and options.use_async_staging
+        self.stager = DefaultStager(options) if background else None
+        # (a Future, or DCP's pair of them when staging is asynchronous; partial, final,
+        # meta, best, the writer)
         self._pending: tuple[Any, Path, Path, dict[str, Any], bool, SummingWriter] | None = None
         self.blocking_s: list[float] = []  # time each save held up training
 
@@ -334,6 +337,7 @@ class ShardedCheckpointer:
         try:
             planner = DefaultSavePlanner(enable_plan_caching=True)
             if self.background:
+                self._order_staging()
                 future = dcp.async_save(
                     state, checkpoint_id=partial, process_group=self.group,
                     async_stager=self.stager, planner=planner, storage_writer=writer,
@@ -352,14 +356,42 @@ class ShardedCheckpointer:
             self._commit(partial, final, meta, best, failure, writer)
         return final
 
+    def _order_staging(self) -> None:
+        """The stager's own stream (DCP's) first waits, on the device, for what the
+        current stream has yet to write (the step just taken), then copies it."""
+        stream = getattr(self.stager, "_staging_stream", None)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.ctx.device))
+        elif self.async_staging and torch.cuda.is_available():  # no stream to order after
+            torch.cuda.current_stream(self.ctx.device).synchronize()
+
+    def settle(self) -> None:
+        """Wait until the save in flight has copied the state off the tensors it saves
+        (not until it is written); a no-op when none is staging. Before anything
+        changes those tensors in place (an optimizer step). A failed copy is told by
+        `wait`, as the save's failure."""
+        if self._pending is None or not isinstance(self._pending[0], AsyncSaveResponse):
+            return
+        staging = self._pending[0].staging_completion
+        if staging.done():
+            return
+        t0 = time.perf_counter()
+        with contextlib.suppress(Exception):
+            staging.result()
+        if self.blocking_s:  # the save held training up this long too
+            self.blocking_s[-1] += time.perf_counter() - t0
+
     def wait(self) -> None:
         """Finish the save in flight, if any (collective)."""
         if self._pending is None:
             return
+        self.settle()
         future, partial, final, meta, best, writer = self._pending
         self._pending = None
         failure: BaseException | None = None
         try:
+            if isinstance(future, AsyncSaveResponse):
+                future = future.upload_completion  # which fails too when the copy did
             future.result()
         except (Exception, CheckpointException) as exc:
             failure = dcp_cause(exc)
@@ -421,6 +453,17 @@ class ShardedCheckpointer:
         for old in list_step_dirs(self.directory)[self.keep_last:]:
             if old.name not in keep:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def staging_options(device: torch.device) -> StagingOptions:
+    """How a background save copies the state to host memory. On a GPU: into pinned
+    buffers, non-blocking, in the stager's own thread (the training thread goes on); on
+    a CPU in the training thread, a plain copy (a thread would only copy host memory)."""
+    on_gpu = device.type == "cuda"
+    return StagingOptions(
+        use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=on_gpu,
+        use_non_blocking_copy=on_gpu,
+    )
 
 
 def _pointer(path: Path) -> str | None:

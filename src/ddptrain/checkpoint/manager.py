@@ -151,6 +151,24 @@ def whole_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def buffers_apart(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+    """`state` with the tensors that are `module`'s buffers cloned (on their device). A
+    forward changes buffers in place (batch norm's statistics) while a save staged in
+    the background may still be copying them; the weights change only at a step, which
+    waits for the copy (`settle`)."""
+    held = {
+        (b.to_local() if isinstance(b, DTensor) else b).data_ptr() for b in module.buffers()
+    }
+
+    def apart(t: Any) -> Any:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if isinstance(local, torch.Tensor) and local.numel() and local.data_ptr() in held:
+            return t.clone()
+        return t
+
+    return {k: apart(v) for k, v in state.items()}
+
+
 def _same_file(path: Path, others: Sequence[Path]) -> bool:
     return any(path == other or (other.exists() and path.samefile(other)) for other in others)
 
@@ -261,6 +279,8 @@ class Checkpointer:
         given; returns the checkpoint's path."""
         if self.sharded is not None:
             model, optim = self.strategy.sharded_state(module, optimizer)
+            if self.sharded.async_staging:
+                model = buffers_apart(model, module)
             state = {"model": model, "optim": optim}
             if averages is not None:
                 state[EMA_KEY] = averages  # DTensor shards: each rank writes its own
@@ -272,6 +292,13 @@ class Checkpointer:
         return save_checkpoint(
             self.directory, step, state, self.ctx, self.keep_last, best=best, group=self.group
         )
+
+    def settle(self) -> None:
+        """Wait until the save in flight has copied the state it saves (not until it is
+        written): before the weights change in place. A no-op unless a GPU run's
+        background save is still copying (`ShardedCheckpointer.settle`)."""
+        if self.sharded is not None:
+            self.sharded.settle()
 
     def wait(self) -> None:
         """Finish the save in flight, if any."""

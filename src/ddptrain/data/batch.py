@@ -12,8 +12,9 @@ computed one itself.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,23 +25,82 @@ from ddptrain.data.pack import document_mask
 from ddptrain.errors import ConfigError
 
 
+class _Streams:
+    """The CUDA calls of `to_device`, behind one seam (a CPU test puts fakes in their
+    place): a side stream per device, made when first asked for, and the copy itself."""
+
+    def __init__(self) -> None:
+        self.side: dict[torch.device, torch.cuda.Stream] = {}
+
+    def stream_for(self, device: torch.device) -> Any:
+        stream = self.side.get(device)
+        if stream is None:
+            stream = self.side[device] = torch.cuda.Stream(device)
+        return stream
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def copy(
+        self, t: torch.Tensor, device: torch.device, memory_format: torch.memory_format | None
+    ) -> torch.Tensor:
+        return _copy(t, device, memory_format)
+
+    def wait(self, device: torch.device, stream: Any) -> None:
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    def record(self, t: torch.Tensor, device: torch.device) -> None:
+        t.record_stream(torch.cuda.current_stream(device))
+
+
+_streams = _Streams()
+
+
 def to_device(
     batch: Any, device: torch.device, memory_format: torch.memory_format | None = None
 ) -> Any:
     """Move every tensor in a nested batch to `device` (non-blocking: the copy overlaps
-    with host work when the source is pinned); images (4-D) take `memory_format`."""
+    with host work when the source is pinned); images (4-D) take `memory_format`.
+
+    On a GPU the copy runs on a side stream, so it overlaps the previous step's kernels
+    still queued on the current stream; the current stream waits for it (on the device:
+    the host does not), and each moved tensor is recorded on the current stream, so the
+    caching allocator keeps its memory until the step that reads it is done."""
     if device.type == "cpu" and memory_format is None:
         return batch  # a CPU run's batches are where they belong already
+    if device.type != "cuda":
+        return _moved(batch, lambda t: _copy(t, device, memory_format))
+    side = _streams.stream_for(device)
+    copies: list[torch.Tensor] = []
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        copies.append(_streams.copy(t, device, memory_format))
+        return copies[-1]
+
+    with _streams.use(side):
+        moved = _moved(batch, copy)
+    _streams.wait(device, side)
+    for t in copies:
+        _streams.record(t, device)
+    return moved
+
+
+def _copy(
+    t: torch.Tensor, device: torch.device, memory_format: torch.memory_format | None
+) -> torch.Tensor:
+    if memory_format is not None and t.ndim == 4:
+        return t.to(device, non_blocking=True, memory_format=memory_format)
+    return t.to(device, non_blocking=True)
+
+
+def _moved(batch: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`batch` with `copy` of each tensor leaf in its place."""
     if isinstance(batch, torch.Tensor):
-        if memory_format is not None and batch.ndim == 4:
-            return batch.to(device, non_blocking=True, memory_format=memory_format)
-        return batch.to(device, non_blocking=True)
+        return copy(batch)
     if isinstance(batch, Mapping):
-        return type(batch)(  # type: ignore[call-arg]
-            {k: to_device(v, device, memory_format) for k, v in batch.items()}
-        )
+        return type(batch)({k: _moved(v, copy) for k, v in batch.items()})  # type: ignore[call-arg]
     if isinstance(batch, (list, tuple)):
-        moved = [to_device(v, device, memory_format) for v in batch]
+        moved = [_moved(v, copy) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
     return batch
 

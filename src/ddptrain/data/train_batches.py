@@ -6,7 +6,8 @@ over the plan's index lists.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import torch
@@ -102,23 +103,47 @@ class TrainBatches:
         """(batch, its place in the plan, seconds waited for it) from position `start`."""
         order, plan = self.plan(epoch, start)
         it = self.batches(order, plan)
-        for micro in plan:
-            t0 = time.perf_counter()
-            batch = next(it)
-            yield batch, micro, time.perf_counter() - t0
+        try:
+            for micro in plan:
+                t0 = time.perf_counter()
+                batch = next(it)
+                yield batch, micro, time.perf_counter() - t0
+        finally:
+            it.close()  # now, not when collected: a prefetching thread ends with it
 
-    def batches(self, order: torch.Tensor, plan: list[Micro]) -> Iterator[Any]:
+    def batches(self, order: torch.Tensor, plan: list[Micro]) -> Generator[Any, None, None]:
         if self.in_process:
             dataset: ArrayDataset = self.dataset  # type: ignore[assignment]
+            if self.ctx.device.type != "cuda":
+                for m in plan:
+                    yield dataset.batch(order[m.lo : m.hi])
+                return
             # Pinned for a GPU, as a DataLoader's are: the copy then overlaps the step.
-            pin = self.ctx.device.type == "cuda"
-            for m in plan:
-                batch = dataset.batch(order[m.lo : m.hi])
-                yield pin_batch(batch) if pin else batch
+            # The batches are a function of the plan alone, so the next one is sliced and
+            # pinned in a thread while the step runs, off the training thread's path.
+            yield from ahead(lambda m: pin_batch(dataset.batch(order[m.lo : m.hi])), plan)
             return
         assert self.loader is not None  # not in-process: a DataLoader was built
         self.sampler.batches = [order[m.lo : m.hi].tolist() for m in plan]
         yield from read(self.loader)
+
+
+def ahead(make: Callable[[Micro], Any], plan: list[Micro]) -> Iterator[Any]:
+    """`make(m)` for each micro-batch of `plan` in turn, the next one made in a
+    background thread while the caller holds the one before. The thread ends with the
+    generator, whether it is exhausted or closed."""
+    if not plan:
+        return
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-batches")
+    try:
+        pending = pool.submit(make, plan[0])
+        for following in plan[1:]:
+            ready = pending.result()
+            pending = pool.submit(make, following)
+            yield ready
+        yield pending.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def make_train_batches(

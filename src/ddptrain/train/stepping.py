@@ -43,6 +43,10 @@ def optimizer_step(trainer: Trainer, sums: MetricSums) -> torch.Tensor | bool:
     """Clip, check and step; the step's verdict: a device flag (1.0: the step was
     skipped) or, where the optimizer cannot skip on the device, whether it stepped."""
     cfg, strategy, optimizer = trainer.config, trainer.strategy, trainer.optimizer
+    # A GPU run's background save may still be copying the weights off the device: the
+    # step would change them under the copy. Usually done by now (a forward and a
+    # backward ago); a no-op without one in flight.
+    trainer.checkpoints.settle()
     local = strategy.local_optimizer(optimizer)  # the one that takes the flag
     strategy.finish_gradients()
     check = cfg.max_bad_steps > 0 and not trainer.precision.scaler  # fp16: the scaler's job

@@ -317,6 +317,7 @@ class Trainer:
         train = self.train_epoch(epoch)
         val = self.evaluate()
         if self.ema is not None:
+            self.checkpoints.settle()  # the swap writes the weights a save may be copying
             with self.ema.swapped():
                 val.update({f"ema_{k}": v for k, v in self.evaluate().items() if k != "samples"})
         history["samples"] += train["samples"]
