@@ -105,16 +105,22 @@ def test_the_adapter_directory_loads_with_peft_and_gives_the_runs_outputs(
     assert transposed(base) >= {"transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc"}
 
 
-def test_a_resumed_lora_run_goes_on_bit_for_bit(tmp_path: Path) -> None:
-    fit(TrainingConfig(output_dir=str(tmp_path / "whole"), epochs=2, **GPT))
-    # the run's own first-epoch checkpoint, resumed in another directory
+def _resumed_bit_for_bit(tmp_path: Path, fields: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A 2-epoch run, and its own first-epoch checkpoint resumed in another directory:
+    both end with the same state, bit for bit, which is returned."""
+    fit(TrainingConfig(output_dir=str(tmp_path / "whole"), epochs=2, **fields))
     first = sorted((tmp_path / "whole" / "checkpoints").glob("step_*.pt"))[0]
     fit(TrainingConfig(output_dir=str(tmp_path / "cut"), epochs=2, resume_from=str(first),
-                       **GPT))
+                       **fields))
     whole, cut = _state(tmp_path / "whole"), _state(tmp_path / "cut")
     assert whole.keys() == cut.keys()
     for name in whole:
         assert torch.equal(whole[name], cut[name]), name
+    return whole
+
+
+def test_a_resumed_lora_run_goes_on_bit_for_bit(tmp_path: Path) -> None:
+    _resumed_bit_for_bit(tmp_path, GPT)
 
 
 def test_qlora_trains_on_a_4_bit_base_resumes_bit_for_bit_and_exports_its_merge(
@@ -129,15 +135,7 @@ def test_qlora_trains_on_a_4_bit_base_resumes_bit_for_bit_and_exports_its_merge(
 
     from torchao.quantization import to_nf4
 
-    qlora = {**GPT, "lora_quantize": "nf4"}
-    fit(TrainingConfig(output_dir=str(tmp_path / "whole"), epochs=2, **qlora))
-    first = sorted((tmp_path / "whole" / "checkpoints").glob("step_*.pt"))[0]
-    fit(TrainingConfig(output_dir=str(tmp_path / "cut"), epochs=2, resume_from=str(first),
-                       **qlora))
-    whole, cut = _state(tmp_path / "whole"), _state(tmp_path / "cut")
-    assert whole.keys() == cut.keys()
-    for name in whole:
-        assert torch.equal(whole[name], cut[name]), name
+    whole = _resumed_bit_for_bit(tmp_path, {**GPT, "lora_quantize": "nf4"})
     fresh = _gpt(whole["wte.weight"].shape[0]).state_dict()
     bases = [k for k in whole if k.endswith(".base_layer.weight")]
     assert bases

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 LOGGER_NAME = "ddptrain"
 
@@ -21,3 +23,17 @@ def setup_logging(rank: int) -> logging.Logger:
     logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     logger.propagate = False
     return logger
+
+
+def quietly(importer: Callable[[], Any]) -> Any:
+    """What `importer` imports, with the logs of torchao's import (kernels this machine
+    has no use for) and torch's pytree (its deprecations) held back."""
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        return importer()
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)

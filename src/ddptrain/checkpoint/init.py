@@ -52,7 +52,7 @@ from ddptrain.context import DistributedContext
 from ddptrain.errors import few
 from ddptrain.files import SUMS_FILE, refuse_special, sums_damage
 from ddptrain.models.hf import hf_dir, report_loading, start_values
-from ddptrain.parallel.base import copy_whole, named_tensors
+from ddptrain.parallel.base import copy_whole, named_tensors, tie_groups
 from ddptrain.parallel.lora import adapter_start, base_name, is_adapter
 
 log = logging.getLogger("ddptrain")
@@ -178,14 +178,6 @@ def source_shapes(path: Path, flag: str = FLAG) -> tuple[Shapes, dict[str, str]]
 
 
 # ---------------------------------------------------------------------- fitting
-def tied_names(model: nn.Module) -> list[list[str]]:
-    """Names that are one parameter (a language model's embedding and output head)."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
-
-
 def _complete(names: dict[str, str], ties: dict[str, str], groups: list[list[str]]) -> None:
     """Give the names a file stores once (tied weights) every name they have: `names`
     maps each name to the stored one it reads."""
@@ -216,7 +208,7 @@ def _fit(
     those of `model`."""
     shapes, ties = source_shapes(path, flag)
     reads = {k: k for k in shapes}
-    _complete(reads, ties, tied_names(model) if groups is None else groups)
+    _complete(reads, ties, tie_groups(model) if groups is None else groups)
     own = {k: tuple(v.shape) for k, v in model.state_dict().items() if not is_adapter(k)}
     _unwrapped(reads, own)
     loads = {k: reads[k] for k in own if k in reads and shapes[reads[k]] == own[k]}
@@ -318,7 +310,7 @@ def fill_pretrained(
         )
     if read:
         _read_own_parts(module, directory, loads, ctx, flag)
-    report_loading(name, type(module).__name__, whole.missing, whole.unexpected)
+        report_loading(name, type(module).__name__, whole.missing, whole.unexpected)
     held = named_tensors(module)
     computed = [f"{owner}.{b}" if owner else b for owner, m in module.named_modules()
                 for b in m._non_persistent_buffers_set]

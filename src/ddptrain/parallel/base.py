@@ -210,7 +210,7 @@ class Strategy:
 
     def ties(self, module: nn.Module) -> list[list[str]]:
         """Groups of names that are one tensor (a tied embedding and head), first name first."""
-        return [names for names, _ in tensors_by_identity(module) if len(names) > 1]
+        return tie_groups(module)
 
     def sharded_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer
@@ -355,6 +355,11 @@ def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of `module` under each of its names."""
     return {**dict(module.named_parameters(remove_duplicate=False)),
             **dict(module.named_buffers(remove_duplicate=False))}
+
+
+def tie_groups(module: nn.Module) -> list[list[str]]:
+    """Groups of names that are one tensor of `module` (a tied embedding and head)."""
+    return [names for names, _ in tensors_by_identity(module) if len(names) > 1]
 
 
 def copy_whole(target: torch.Tensor, full: torch.Tensor) -> None:

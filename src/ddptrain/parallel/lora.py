@@ -24,10 +24,8 @@ module's names, adapters included).
 from __future__ import annotations
 
 import fnmatch
-import logging
 import math
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +33,7 @@ import torch
 from torch import nn
 
 from ddptrain.errors import ConfigError
+from ddptrain.log import quietly
 
 ADAPTER = "default"  # peft's name for the one adapter
 BASE = ".base_layer"
@@ -82,23 +81,10 @@ def targets(module: nn.Module, patterns: list[str], blocks: list[nn.Module]) -> 
     return found
 
 
-def _quietly(importer: Callable[[], Any]) -> Any:
-    """What `importer` imports, quietly (torchao and torch's pytree log at import)."""
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        return importer()
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
 def _peft() -> Any:
     """peft, imported quietly."""
     try:
-        return _quietly(lambda: __import__("peft"))
+        return quietly(lambda: __import__("peft"))
     except ImportError:
         raise ConfigError("--lora_rank needs peft: pip install 'ddptrain[lora]'") from None
 
@@ -181,7 +167,7 @@ def quantize_base(module: nn.Module, spec: LoraSpec) -> int:
     `evaluate` read plain tensors), and a load leaves the quantized ones as they are: a
     resume makes them again, the same, from the run's starting weights, while quantizing
     the dequantized ones again would not give them back bit for bit."""
-    to_nf4 = _quietly(lambda: __import__("torchao.quantization", fromlist=["to_nf4"]).to_nf4)
+    to_nf4 = quietly(lambda: __import__("torchao.quantization", fromlist=["to_nf4"]).to_nf4)
     freed = 0
     for name in spec.names:
         layer: Any = module.get_submodule(name).base_layer  # peft's wrapped layer

@@ -122,17 +122,12 @@ def to_float8(module: nn.Module, recipe: str, fsdp: bool) -> list[str]:
     16 (float8 matmuls need them) and one whose weight is shared (a head tied to the
     embedding). Under fsdp with tensorwise scaling, the all-gather sends float8."""
     import dataclasses
-    import logging
 
-    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [q.level for q in quiet]
-    for q in quiet:  # its import reports kernels this machine has no use for
-        q.setLevel(logging.ERROR)
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    finally:
-        for q, level in zip(quiet, levels, strict=True):
-            q.setLevel(level)
+    from ddptrain.log import quietly
+
+    float8 = quietly(lambda: __import__("torchao.float8", fromlist=["Float8LinearConfig"]))
+    Float8LinearConfig, convert_to_float8_training = (
+        float8.Float8LinearConfig, float8.convert_to_float8_training)
     config = Float8LinearConfig.from_recipe_name(recipe)
     if fsdp and recipe == "tensorwise":
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
