@@ -121,6 +121,19 @@ def test_what_does_not_combine_is_one_line(
     assert message in str(caught.value)
 
 
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"ep": 2, "strategy": "fsdp"}, "--ep 2 runs under --strategy ddp over all the ranks"),
+    ({"ep": 2, "tp": 2}, "--ep 2 runs under --strategy ddp over all the ranks"),
+    ({"ep": 2, "checkpoint_format": "file"}, "use --checkpoint_format dcp (or auto)"),
+])
+def test_expert_parallelism_that_does_not_combine_is_one_line(
+    fields: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        TrainingConfig(output_dir="unused", **{**GPT, **fields}).validate()
+    assert message in str(caught.value)
+
+
 @pytest.mark.slow
 def test_fsdp_ends_with_ddps_weights_for_the_gpts_and_mixtrals_experts(tmp_path: Path) -> None:
     """2 ranks, SGD with momentum, clipping and 2-step accumulation: fsdp shards the
@@ -151,3 +164,38 @@ def test_fsdp_ends_with_ddps_weights_for_the_gpts_and_mixtrals_experts(tmp_path:
         for key, value in want["weights"].items():
             torch.testing.assert_close(got["weights"][key], value, rtol=0, atol=1e-5,
                                        msg=f"{name} {key}")
+
+
+@pytest.mark.slow
+def test_experts_spread_over_two_ranks_train_as_ddp_and_resume_on_one(tmp_path: Path) -> None:
+    """`--ep 2` on 2 ranks (2 of the 4 experts a rank, tokens exchanged with all-to-all;
+    SGD with momentum, clipping, 2-step accumulation) ends within 1e-5 of ddp, where every
+    rank holds every expert; the rows count the same tokens per expert. Its DCP step of
+    the first epoch resumes on one process (every expert whole there) and ends as the ep
+    run does (without the balancing loss, which each rank takes over its own tokens), and
+    `model.safetensors` holds each expert tensor whole."""
+    from dist_utils import run_ranks
+    from nd_workers import fit_runs
+    from safetensors.torch import load_file
+
+    # no balancing loss: a rank's is its own tokens', which one process would pool
+    run = dict(GPT, epochs=2, grad_accum_steps=2, batch_size=8, synthetic_size=128,
+               checkpoint_format="dcp", moe_aux_weight=0.0)
+    ddp, ep = run_ranks(fit_runs, 2, tmp_path, [
+        dict(run, output_dir=str(tmp_path / "ddp")),
+        dict(run, output_dir=str(tmp_path / "ep"), ep=2),
+    ])[0]
+    assert ep["weights"].keys() == ddp["weights"].keys()
+    for key, value in ddp["weights"].items():
+        torch.testing.assert_close(ep["weights"][key], value, rtol=0, atol=1e-5, msg=key)
+    assert [r["expert_tokens"] for r in _rows(tmp_path / "ep")] == [
+        r["expert_tokens"] for r in _rows(tmp_path / "ddp")]
+    exported = load_file(str(tmp_path / "ep" / "model.safetensors"))
+    assert exported["blocks.0.mlp.w_in"].shape == (4, 32, 128)
+    torch.testing.assert_close(exported["blocks.0.mlp.w_in"], ep["weights"]["blocks.0.mlp.w_in"],
+                               rtol=0, atol=0)
+    first = sorted((tmp_path / "ep" / "checkpoints").glob("step_*"))[0]
+    (one,) = run_ranks(fit_runs, 1, tmp_path, [dict(
+        run, output_dir=str(tmp_path / "one"), resume_from=str(first), batch_size=16)])
+    for key, value in ep["weights"].items():
+        torch.testing.assert_close(one[0]["weights"][key], value, rtol=0, atol=1e-5, msg=key)

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddptrain.config import OBJECT_FIELDS, TrainingConfig
+from ddptrain.config import TrainingConfig
+from ddptrain.config_values import OBJECT_FIELDS
 from ddptrain.errors import ConfigError, TrainingStopped
 from ddptrain.launch.rundir import (
     RunClaim,

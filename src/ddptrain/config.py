@@ -19,14 +19,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ddptrain.config_sections import SECTIONS
-from ddptrain.config_values import bad as _bad
 from ddptrain.config_values import (
+    OBJECT_FIELDS,
     check_dataset,
     is_import_ref,
     mix_weights,
     step_ranges,
     val_sets,
 )
+from ddptrain.config_values import bad as _bad
 from ddptrain.errors import ConfigError
 
 BUILTIN_DATASETS = ("breast_cancer", "digits", "diabetes", "synthetic", "chars")
@@ -182,6 +183,9 @@ class TrainingConfig:
         "package.module:fn, fn(model, stage, stages) returns that stage's module for a "
         "model that is not the built-in GPT under --pp",
     )
+    ep: int = _f(1, "expert parallelism: each mixture-of-experts layer's experts spread over "
+                 "this many ranks (all the data-parallel ones, under ddp), tokens sent to "
+                 "them and back with an all-to-all; 1: every rank holds every expert")
     tp_plan: str | None = _f(
         None,
         "package.module:fn, fn(model, tp_mesh) parallelizes a model that is not the "
@@ -390,7 +394,7 @@ class TrainingConfig:
         layout (tensor- or pipeline-parallel ranks each write a share: DCP)."""
         if self.checkpoint_format != "auto":
             return self.checkpoint_format
-        whole = self.strategy == "ddp" and self.tp == 1 and self.pp == 1
+        whole = self.strategy == "ddp" and self.tp == 1 and self.pp == 1 and self.ep == 1
         return "file" if whole else "dcp"
 
     def to_dict(self) -> dict[str, Any]:
@@ -490,6 +494,10 @@ class TrainingConfig:
         if self.pp_split is not None and not is_import_ref(self.pp_split):
             _bad("pp_split", self.pp_split, "give package.module:fn, fn(model, stage, stages)")
         self._at_least(1, "use a whole number of at least 1", "pp_microbatches")
+        self._at_least(1, "use a whole number of at least 1 (1: off)", "ep")
+        if self.ep > 1 and (self.strategy != "ddp" or max(self.tp, self.pp, self.dp_replicate) > 1):
+            raise ConfigError(f"--ep {self.ep} runs under --strategy ddp over all the ranks for "
+                              "now: drop --ep, or --tp, --pp, --dp_replicate and fsdp/zero")
 
     def _check_precision(self) -> None:
         pass  # each field is a choice argparse and the dataclass's types already hold to
@@ -530,6 +538,9 @@ class TrainingConfig:
         if self.resume_from not in (None, "auto") and not Path(self.resume_from).exists():
             _bad("resume_from", self.resume_from,
                  "give an existing checkpoint file or DCP step directory, or 'auto'")
+        if self.ep > 1 and self.checkpoint_format == "file":
+            _bad("checkpoint_format", "file", "--ep spreads the experts over the ranks, each "
+                 "writing its own: use --checkpoint_format dcp (or auto)")
         if self.async_checkpoint and self.checkpoint_kind == "file":
             _bad("async_checkpoint", True, "background saves write DCP step directories: add "
                  "--checkpoint_format dcp (or use --strategy zero / fsdp)")
@@ -571,24 +582,6 @@ class TrainingConfig:
     def _check_runtime(self) -> None:
         if not self.timeout_s > 0:
             _bad("timeout_s", self.timeout_s, "use a positive number of seconds")
-
-
-# The fields whose value can name code a run imports and calls (`package.module:fn`).
-CODE_FIELDS = ("dataset", "mix", "val", "collate", "model", "task", "optimizer", "scheduler",
-               "tp_plan", "pp_split")
-# The fields a Python object can stand in for, and the `fit` argument that gives it.
-OBJECT_FIELDS = {"model": "model", "dataset": "datasets", "task": "task", "collate": "collate"}
-
-
-def names_code(field: str, value: Any) -> bool:
-    """Whether `value`, given for config field `field`, names code to import and call
-    (`hf:DIR`, a model's weights and config, does not)."""
-    if field in ("mix", "val") and isinstance(value, list):  # DATASET=WEIGHT, NAME=DATASET
-        return any(is_import_ref(str(entry).rpartition("=")[0 if field == "mix" else 2])
-                   for entry in value)
-    if field not in CODE_FIELDS or not isinstance(value, str):
-        return False
-    return not (field == "model" and value.startswith("hf:")) and is_import_ref(value)
 
 
 def _recompute_mode(on: bool) -> Any:

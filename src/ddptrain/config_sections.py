@@ -25,7 +25,7 @@ SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "parallel": ("how the model is spread over the ranks", (
         "strategy", "fsdp_wrap", "reshard_after_forward", "fsdp_cpu_offload", "dp_replicate",
         "tp", "tp_plan", "sequence_parallel", "pp", "pp_schedule", "pp_microbatches",
-        "pp_split", "find_unused_parameters", "static_graph",
+        "pp_split", "ep", "find_unused_parameters", "static_graph",
     )),
     "precision": ("precision, memory and speed", (
         "use_amp", "amp_dtype", "float8", "tf32", "activation_checkpointing", "compile",

@@ -99,3 +99,21 @@ def _keyed(flag: str, entries: list[str], parse: Callable[[str], Any], form: str
             bad(flag, entry, f"it names {names[0]}{item[0]!r} twice: give each {names[1]} once")
         parsed.append(item)
     return parsed
+
+
+# The fields whose value can name code a run imports and calls (`package.module:fn`).
+CODE_FIELDS = ("dataset", "mix", "val", "collate", "model", "task", "optimizer", "scheduler",
+               "tp_plan", "pp_split")
+# The fields a Python object can stand in for, and the `fit` argument that gives it.
+OBJECT_FIELDS = {"model": "model", "dataset": "datasets", "task": "task", "collate": "collate"}
+
+
+def names_code(field: str, value: Any) -> bool:
+    """Whether `value`, given for config field `field`, names code to import and call
+    (`hf:DIR`, a model's weights and config, does not)."""
+    if field in ("mix", "val") and isinstance(value, list):  # DATASET=WEIGHT, NAME=DATASET
+        return any(is_import_ref(str(entry).rpartition("=")[0 if field == "mix" else 2])
+                   for entry in value)
+    if field not in CODE_FIELDS or not isinstance(value, str):
+        return False
+    return not (field == "model" and value.startswith("hf:")) and is_import_ref(value)

@@ -27,8 +27,8 @@ from torch.utils.data import (
     Subset,
 )
 
-from ddptrain.config import TrainingConfig, names_code
-from ddptrain.config_values import npy_targets
+from ddptrain.config import TrainingConfig
+from ddptrain.config_values import names_code, npy_targets
 from ddptrain.data import hf
 from ddptrain.data.arrays import ArrayDataset, MemmapDataset, as_targets
 from ddptrain.data.batch import first_tensor, split

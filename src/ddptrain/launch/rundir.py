@@ -34,8 +34,9 @@ from typing import IO, Any
 
 import yaml
 
-from ddptrain.config import TrainingConfig, names_code
+from ddptrain.config import TrainingConfig
 from ddptrain.config_cli import dump_yaml
+from ddptrain.config_values import names_code
 from ddptrain.errors import ConfigError
 from ddptrain.files import LOCK_NAME
 

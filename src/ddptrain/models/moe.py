@@ -14,6 +14,11 @@ a sharding over the experts is a split of dimension 0. The tokens are sorted by 
 and each expert multiplies its contiguous rows (the group sizes are read on the host: one
 read per layer and forward, as torchtitan's loop over experts does).
 
+Under expert parallelism (`--ep`, `ddptrain.parallel.ep`) each rank holds its share of the
+experts (the batched weights are DTensor shards of dimension 0): the sorted rows go to
+the ranks that hold their experts with one all-to-all, are computed there, and come back
+with another, in the order they left; their gradients travel the same way in backward.
+
 Each forward leaves `last`: the router's load-balancing loss (Switch Transformer's:
 experts x the sum over experts of the fraction of token slots it got times its mean
 probability; 1 when perfectly even) and the token slots each expert got. The training
@@ -23,13 +28,19 @@ loop adds the loss, weighted by `--moe_aux_weight`, and logs the counts
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 
 class MoE(nn.Module):
     """`experts` GELU MLPs (width -> hidden -> width) behind a top-k router."""
+
+    expert_weights = ("w_in", "b_in", "w_out", "b_out")  # batched, experts first (`--ep`)
 
     def __init__(self, width: int, hidden: int, experts: int, top_k: int, dropout: float = 0.0,
                  out_std: float = 0.02) -> None:
@@ -48,6 +59,7 @@ class MoE(nn.Module):
         self.reset_parameters()
         # (load-balancing loss, token slots per expert) of the newest forward
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.ep_group: Any = None  # the ranks the experts are spread over (`--ep`)
 
     def reset_parameters(self) -> None:
         """GPT-2's initialisation, the output projections shrunk with depth (`out_std`)."""
@@ -70,19 +82,45 @@ class MoE(nn.Module):
         counts = torch.bincount(slots, minlength=self.experts)
         order = slots.argsort(stable=True)  # the slots grouped by expert, in token order
         token = order // self.top_k
-        out = self._experts(flat[token], counts) * weight.reshape(-1)[order, None]
+        rows = flat[token]
+        out = (self._experts(rows, counts.tolist()) if self.ep_group is None
+               else self._exchanged(rows, counts)) * weight.reshape(-1)[order, None]
         mixed = torch.zeros_like(flat).index_add_(0, token, out)
         share = counts.float() / slots.numel()
         self.last = (self.experts * (share * probs.mean(0)).sum(), counts)
         return self.dropout(mixed.view_as(x))
 
-    def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each expert's MLP on its contiguous share of `rows`."""
-        parts = rows.split(counts.tolist())
+    def _experts(self, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Each (local) expert's MLP on its contiguous share of `rows`, `sizes` rows each."""
+        w_in, b_in, w_out, b_out = (_local(p) for p in (self.w_in, self.b_in, self.w_out,
+                                                        self.b_out))
         return torch.cat([
-            F.gelu(part @ self.w_in[e] + self.b_in[e]) @ self.w_out[e] + self.b_out[e]
-            for e, part in enumerate(parts)
+            F.gelu(part @ w_in[e] + b_in[e]) @ w_out[e] + b_out[e]
+            for e, part in enumerate(rows.split(sizes))
         ])
+
+    def _exchanged(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`rows` (sorted by expert, `counts` for each) computed by the ranks holding their
+        experts, back in the order they left."""
+        from torch.distributed.nn.functional import all_to_all_single
+
+        group = self.ep_group
+        ranks = dist.get_world_size(group)
+        local = self.experts // ranks
+        got = torch.empty_like(counts)  # [source rank][my expert]: rows it sends it
+        dist.all_to_all_single(got, counts, group=group)
+        sizes = torch.cat([counts.view(ranks, local).sum(1), got]).tolist()  # one host read
+        send, got_n = sizes[:ranks], sizes[ranks:]
+        recv = [sum(got_n[q * local : (q + 1) * local]) for q in range(ranks)]
+        inbound = all_to_all_single(rows.new_empty(sum(recv), rows.size(1)), rows, recv, send,
+                                    group=group)
+        blocks = inbound.split(got_n)  # by source rank, then by expert: regrouped by expert
+        by_expert = [q * local + j for j in range(local) for q in range(ranks)]
+        out = self._experts(torch.cat([blocks[i] for i in by_expert]),
+                            [sum(got_n[j::local]) for j in range(local)])
+        parts = dict(zip(by_expert, out.split([got_n[i] for i in by_expert]), strict=True))
+        back = torch.cat([parts[i] for i in range(ranks * local)])
+        return all_to_all_single(rows.new_empty(rows.shape), back, send, recv, group=group)
 
 
 def expert_parameters(module: nn.Module) -> list[torch.Tensor]:
@@ -92,6 +130,10 @@ def expert_parameters(module: nn.Module) -> list[torch.Tensor]:
     for name, p in module.named_parameters():
         leaf = name.rpartition(".")[2]
         owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
-        if (isinstance(owner, MoE) and leaf != "weight") or ".experts." in f".{name}":
+        if (isinstance(owner, MoE) and leaf in owner.expert_weights) or ".experts." in f".{name}":
             found.setdefault(id(p), p)
     return list(found.values())
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p

@@ -27,9 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.parallel.base import NO_CONTEXT, State, Strategy
+from ddptrain.parallel.ep import expert_parallel
+from ddptrain.parallel.tp import by_layout, squared_norm
 
 READY_ORDER = "grad_ready_order"  # the key in `layout_state`: parameter names
 
@@ -42,13 +45,37 @@ class DDP(Strategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._ready: ReadyOrder | None = None
+        # --ep: each rank's experts differ (their flags too), and every forward exchanges
+        # tokens with every rank, so all ranks run as many
+        self.experts_apart = self.config.ep > 1
+        self.flags_differ = self.even_forwards = self.experts_apart
 
     def setup_module(self, module: nn.Module) -> nn.Module:
+        if self.experts_apart:
+            ignored = expert_parallel(module, self.ctx, self.config.ep)
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
         model = self._wrap(module)
-        # With --find_unused_parameters DDP never rebuilds its buckets: nothing to keep.
-        if not self.config.find_unused_parameters:
+        # With --find_unused_parameters DDP never rebuilds its buckets: nothing to keep
+        # (nor with --ep, whose experts are not in them).
+        if not (self.config.find_unused_parameters or self.experts_apart):
             self._ready = ReadyOrder(model, module)
         return model
+
+    def model_state(self, module: nn.Module) -> State:
+        state = super().model_state(module)
+        if not self.experts_apart:
+            return state
+        # Collective: each expert tensor whole (every rank takes part in the gather)
+        return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        if not self.experts_apart:
+            return super().clip_grad_norm(params, max_norm)
+        groups = by_layout(params)  # the experts' DTensor gradients, the replicated rest
+        total = squared_norm(groups, self.ctx.device).sqrt()
+        for group in groups:
+            nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        return total
 
     def _wrap(
         self, module: nn.Module, order: list[str] | None = None,
@@ -75,7 +102,8 @@ class DDP(Strategy):
     def resume_module(self, model: nn.Module, module: nn.Module, saved: State) -> nn.Module:
         """DDP built again, its first layout the one the checkpointed run had rebuilt
         (when the checkpoint knows it and the parameters are the same)."""
-        order = [] if self.config.find_unused_parameters else saved.get(READY_ORDER) or []
+        order = ([] if self.config.find_unused_parameters or self.experts_apart
+                 else saved.get(READY_ORDER) or [])
         trainable = [n for n, p in module.named_parameters() if p.requires_grad]
         if not isinstance(model, DistributedDataParallel) or sorted(order) != sorted(trainable):
             return model

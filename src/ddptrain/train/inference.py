@@ -33,8 +33,9 @@ from ddptrain.checkpoint import (
 )
 from ddptrain.checkpoint.common import check_model_state
 from ddptrain.checkpoint.dcp import follow_pointer, is_whole
-from ddptrain.config import CODE_FIELDS, OBJECT_FIELDS, TrainingConfig, names_code
+from ddptrain.config import TrainingConfig
 from ddptrain.config_cli import build_parser, config_file_fields, load_yaml
+from ddptrain.config_values import CODE_FIELDS, OBJECT_FIELDS, names_code
 from ddptrain.context import DistributedContext
 from ddptrain.data import DataBundle, ModelCall, make_val_loader
 from ddptrain.errors import ConfigError
