@@ -51,7 +51,7 @@ BAD_FLAGS = [
     (["train", "--early_stopping", "2", "--early_stopping_min_delta", "nan"],
      "--early_stopping_min_delta nan is invalid: use a finite number"),
     (["train", "--lr", "inf"], "--lr inf is invalid: use a finite number"),
-    (["train", "--ep", "2"], "unrecognized arguments: --ep 2"),  # no abbreviations
+    (["train", "--epo", "2"], "unrecognized arguments: --epo 2"),  # no abbreviations
     (["train", "--model", "mlp", "--model_args", "experts=4"],
      "--model mlp takes no --model_args (given: experts=4)"),
     (["train", "--freeze", "*"], "--freeze * freezes every parameter: nothing would train"),
