@@ -230,6 +230,10 @@ def build_parser() -> ErrorParser:
                         help="pipeline stages of the job, for the bytes per rank")
     parser.add_argument("--dp_replicate", type=int, default=1,
                         help="HSDP replicas of the job (--strategy fsdp), for the bytes per rank")
+    parser.add_argument("--experts", default=None, metavar="COUNT",
+                        help="of --parameters, those in a mixture's experts, e.g. 45B")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel degree of the job (--experts spread over it)")
     parser.add_argument("--world_size", type=int, default=None,
                         help="ranks of the job, for the bytes per rank (default: this launch's)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations per size")
@@ -287,7 +291,7 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
     from ddptrain.parallel import resolve_strategy
     from ddptrain.parallel.memory import format_bytes, optimizer_slots
 
-    for flag in ("tp", "pp", "dp_replicate", "world_size"):
+    for flag in ("tp", "pp", "dp_replicate", "world_size", "ep"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag} {value} is invalid: use a positive number of ranks")
@@ -301,22 +305,38 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
         )
     world_size = args.world_size or world_size
     config = TrainingConfig(strategy=args.strategy, optimizer=args.optimizer, tp=args.tp,
-                            pp=args.pp, dp_replicate=args.dp_replicate)
+                            pp=args.pp, dp_replicate=args.dp_replicate, ep=args.ep).validate()
+    if args.ep > 1 and args.ep != world_size:
+        raise ConfigError(f"--ep {args.ep} takes all the job's ranks for now, and there are "
+                          f"{world_size}: give --world_size {args.ep}")
     choice = resolve_strategy(config, world_size, device)  # a layout that does not fit: one line
     if args.parameters is None:
         return f"strategy   {choice.label} (give --parameters 125M for the bytes per rank)"
-    text = args.parameters.strip().upper()
+    count = _count("parameters", args.parameters)
+    experts = _count("experts", args.experts) if args.experts is not None else 0
+    if experts > count:
+        raise ConfigError(f"--experts {args.experts} is more than --parameters "
+                          f"{args.parameters}: give the experts' share of the model")
+    # each rank holds the others whole (ddp) and 1/ep of the experts (`--ep`)
+    held = count - experts + experts // args.ep
+    figures = choice.rank_bytes(held, optimizer_slots(config))
+    spread = (f" ({experts:,} in experts, 1/{args.ep} of them a rank)" if experts and
+              args.ep > 1 else f" ({experts:,} in experts)" if experts else "")
+    return (f"strategy   {choice.label} on {world_size} rank(s), {count:,} parameters{spread}, "
+            f"{args.optimizer}: {format_bytes(figures)}")
+
+
+def _count(flag: str, value: str) -> int:
+    """A parameter count such as 125M or 7B."""
+    text = value.strip().upper()
     scale = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}.get(text[-1:], 1)
     digits = text[:-1] if scale > 1 else text
     try:
-        count = int(float(digits) * scale)
+        return int(float(digits) * scale)
     except ValueError:
         raise ConfigError(
-            f"--parameters {args.parameters!r} is invalid: use a count such as 125M or 7B"
+            f"--{flag} {value!r} is invalid: use a count such as 125M or 7B"
         ) from None
-    figures = choice.rank_bytes(count, optimizer_slots(config))
-    return (f"strategy   {choice.label} on {world_size} rank(s), {count:,} parameters, "
-            f"{args.optimizer}: {format_bytes(figures)}")
 
 
 def _slurm_note(env: Mapping[str, str]) -> str:
