@@ -97,6 +97,17 @@ def killable_mlp(config: Any, input_shape: tuple[int, ...], outputs: int) -> nn.
     return model
 
 
+def killable_moe_gpt(config: Any, input_shape: tuple[int, ...], outputs: int,
+                     vocab_size: int | None = None, **_: Any) -> nn.Module:
+    """The built-in GPT at --width with 4 experts a block (top 2), with the kill switch."""
+    from ddptrain.models.gpt import build_gpt
+
+    model = build_gpt(outputs, input_shape[0], config.width, experts=4, top_k=2)
+    kill = _KillSwitch()
+    model.register_forward_pre_hook(lambda m, args: kill.tick() if m.training else None)
+    return model
+
+
 class Augmented(Dataset):
     """Map-style samples; with `noise`, each read adds fresh noise drawn from torch's,
     numpy's and Python's global generators: all three are part of a rank's RNG state."""

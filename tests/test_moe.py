@@ -199,3 +199,26 @@ def test_experts_spread_over_two_ranks_train_as_ddp_and_resume_on_one(tmp_path: 
         run, output_dir=str(tmp_path / "one"), resume_from=str(first), batch_size=16)])
     for key, value in ep["weights"].items():
         torch.testing.assert_close(one[0]["weights"][key], value, rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_an_ep_run_killed_mid_epoch_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """`--ep 2` under torchrun: rank 1 SIGKILLs itself at its 7th training forward, the
+    newest DCP step is the 5th (each rank wrote its experts); `--resume_from auto` ends
+    with the uninterrupted run's weights and log, bit for bit."""
+    from conftest import run_torchrun
+    from procs import assert_bitwise, assert_same_log, sigkill_then_resume, weights
+
+    job = ["train", "--dataset", "chars", "--model", "guardplug:killable_moe_gpt", "--width",
+           "32", "--block_size", "16", "--batch_size", "32", "--epochs", "1", "--optimizer",
+           "sgd", "--lr", "0.2", "--momentum", "0.9", "--max_grad_norm", "1.0", "--ep", "2",
+           "--save_every_steps", "5", "--log_interval", "2", "--no-tensorboard", "--no-curves"]
+    reference = tmp_path / "reference"
+    done = run_torchrun(2, [*job, "--output_dir", str(reference)], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+    resumed = sigkill_then_resume(2, job, run, tmp_path, kill_at=7)
+    assert "step 5" in resumed.stdout + resumed.stderr
+    assert_bitwise(weights(run), weights(reference))
+    assert_same_log(run, reference)
