@@ -43,13 +43,13 @@ class Routing:
         """The loss a scored training micro-batch (its forward just ran) trains on: the
         task's plus the routers' balancing loss, weighted and counted as the task's is (a
         sum over its count); the routers' figures go into its metric sums."""
-        lasts = [layer.last for layer in self.layers]
-        assert all(last is not None for last in lasts), "a MoE layer did not run"
-        aux = torch.stack([last[0] for last in lasts if last is not None]).sum()
+        lasts = [layer.last for layer in self.layers if layer.last is not None]
+        assert len(lasts) == len(self.layers), "a MoE layer did not run"
+        aux = torch.stack([balance for balance, _ in lasts]).sum()
         count = score.count
-        counts = torch.cat([last[1] for last in lasts if last is not None]).double()
         mean = aux.detach() / len(lasts)  # a layer's: 1 when its experts are evenly used
-        parts = torch.cat([(mean * count).double().reshape(1), counts])
+        parts = torch.cat([(mean * count).double().reshape(1),
+                           *(tokens.double() for _, tokens in lasts)])
         score.metrics.update(zip(self.names, parts.unbind(), strict=True))
         return score.loss_sum + self.weight * aux * count
 
