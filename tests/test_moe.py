@@ -30,16 +30,26 @@ GPT = dict(dataset="chars", model="gpt", model_args={"experts": 4, "top_k": 2}, 
            log_interval=1)
 
 
-def test_the_layer_is_the_dense_sum_of_each_tokens_chosen_experts() -> None:
+@pytest.mark.parametrize(("width", "reads"), [(8, []), (6, ["tolist"])])
+def test_the_layer_is_the_dense_sum_of_each_tokens_chosen_experts(
+    width: int, reads: list[str],
+) -> None:
+    """Widths of 16 bytes in bf16 (8) take the grouped GEMM, which reads nothing on the
+    host; others (6) the loop over experts, which reads the group sizes once."""
+    from bench.host_reads import HostReads
+
     torch.manual_seed(0)
-    moe = MoE(width=8, hidden=16, experts=4, top_k=2)
+    moe = MoE(width=width, hidden=2 * width, experts=4, top_k=2)
     with torch.no_grad():
         moe.b_in.normal_()
         moe.b_out.normal_()
-    x = torch.randn(3, 5, 8)
-    got = moe(x)
+    x = torch.randn(3, 5, width)
+    with HostReads() as counted:
+        got = moe(x)
+        got.sum().backward()  # every expert that got a token has a gradient
+    assert [r.split(" at ")[0] for r in counted.reads[-1]] == reads
     aux, counts = moe.last  # type: ignore[misc]
-    flat = x.reshape(-1, 8)
+    flat = x.reshape(-1, width)
     probs = F.softmax(moe.router(flat), dim=-1)
     want = torch.zeros_like(flat)
     chosen_all = []
@@ -49,12 +59,11 @@ def test_the_layer_is_the_dense_sum_of_each_tokens_chosen_experts() -> None:
         for w, e in zip(p / p.sum(), chosen.tolist(), strict=True):
             want[i] += w * (F.gelu(token @ moe.w_in[e] + moe.b_in[e]) @ moe.w_out[e]
                             + moe.b_out[e])
-    torch.testing.assert_close(got.reshape(-1, 8), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got.reshape(-1, width), want, rtol=0, atol=1e-6)
     assert counts.tolist() == [chosen_all.count(e) for e in range(4)]
     assert int(counts.sum()) == 15 * 2
     share = counts.float() / 30
     torch.testing.assert_close(aux, 4 * (share * probs.mean(0)).sum())
-    got.sum().backward()  # every expert that got a token has a gradient
     assert moe.w_in.grad is not None
     used = counts > 0
     assert (moe.w_in.grad[used].abs().sum((1, 2)) > 0).all()
@@ -122,8 +131,9 @@ def test_what_does_not_combine_is_one_line(
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"ep": 2, "strategy": "fsdp"}, "--ep 2 runs under --strategy ddp over all the ranks"),
-    ({"ep": 2, "tp": 2}, "--ep 2 runs under --strategy ddp over all the ranks"),
+    ({"ep": 2, "strategy": "zero"}, "--ep 2 runs under --strategy ddp or fsdp over the "
+                                    "data-parallel ranks alone"),
+    ({"ep": 2, "tp": 2, "strategy": "fsdp"}, "drop --ep, or --tp, --pp, --dp_replicate"),
     ({"ep": 2, "checkpoint_format": "file"}, "use --checkpoint_format dcp (or auto)"),
 ])
 def test_expert_parallelism_that_does_not_combine_is_one_line(
@@ -135,10 +145,13 @@ def test_expert_parallelism_that_does_not_combine_is_one_line(
 
 
 @pytest.mark.slow
-def test_fsdp_ends_with_ddps_weights_for_the_gpts_and_mixtrals_experts(tmp_path: Path) -> None:
+def test_fsdp_ends_with_ddps_weights_for_the_gpts_mixtrals_and_qwen3s_experts(
+    tmp_path: Path,
+) -> None:
     """2 ranks, SGD with momentum, clipping and 2-step accumulation: fsdp shards the
     experts' batched weights (dimension 0, the experts) and ends within 1e-5 of ddp. The
-    Mixtral is Hugging Face's, built from a config (its experts fused by transformers)."""
+    Mixtral and the Qwen3-MoE are Hugging Face's, built from a config (their experts
+    fused by transformers)."""
     transformers = pytest.importorskip("transformers")
     from dist_utils import run_ranks
     from nd_workers import fit_runs
@@ -148,10 +161,17 @@ def test_fsdp_ends_with_ddps_weights_for_the_gpts_and_mixtrals_experts(tmp_path:
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
         num_experts_per_tok=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
     )).save_pretrained(tmp_path / "mixtral")
-    mixtral = dict(GPT, dataset="hfplug:counting_windows", model=f"hf:{tmp_path / 'mixtral'}",
-                   model_args={}, batch_size=8)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=20, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=32, bos_token_id=0,
+        eos_token_id=0,
+    )).save_pretrained(tmp_path / "qwen3moe")
+    hf = dict(GPT, dataset="hfplug:counting_windows", model_args={}, batch_size=8)
     runs = {name: dict(cfg, epochs=1, grad_accum_steps=2, batch_size=8, synthetic_size=128)
-            for name, cfg in (("gpt", GPT), ("mixtral", mixtral))}
+            for name, cfg in (("gpt", GPT),
+                              ("mixtral", dict(hf, model=f"hf:{tmp_path / 'mixtral'}")),
+                              ("qwen3moe", dict(hf, model=f"hf:{tmp_path / 'qwen3moe'}")))}
 
     def layout(strategy: str) -> list[dict[str, Any]]:
         return [dict(cfg, strategy=strategy, output_dir=str(tmp_path / strategy / name))
@@ -199,6 +219,42 @@ def test_experts_spread_over_two_ranks_train_as_ddp_and_resume_on_one(tmp_path: 
         run, output_dir=str(tmp_path / "one"), resume_from=str(first), batch_size=16)])
     for key, value in ep["weights"].items():
         torch.testing.assert_close(one[0]["weights"][key], value, rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.slow
+def test_experts_over_part_of_the_ranks_train_as_ddp_with_or_without_fsdp(
+    tmp_path: Path,
+) -> None:
+    """4 ranks as 2 expert groups of 2 (`dp_mod_ep 2 x ep 2`): `--ep 2` under ddp (the
+    groups' expert gradients all-reduced once a window) and under fsdp (each expert's
+    shard further split over the 2 ranks that hold it, the rest over all 4) end within
+    1e-5 of ddp (SGD with momentum, clipping, 2-step accumulation), the rows counting the
+    same tokens per expert. The fsdp run's DCP step of the first epoch resumes on 2 ranks
+    as fsdp with `--ep 2` (one group: no expert sharding) and ends as it does."""
+    from dist_utils import run_ranks
+    from nd_workers import fit_runs
+
+    run = dict(GPT, epochs=2, grad_accum_steps=2, batch_size=8, synthetic_size=128,
+               checkpoint_format="dcp", moe_aux_weight=0.0)
+    ddp, ep, fsdp = run_ranks(fit_runs, 4, tmp_path, [
+        dict(run, output_dir=str(tmp_path / "ddp")),
+        dict(run, output_dir=str(tmp_path / "ep"), ep=2),
+        dict(run, output_dir=str(tmp_path / "fsdp"), ep=2, strategy="fsdp"),
+    ])[0]
+    for name, got in (("ep", ep), ("fsdp", fsdp)):
+        assert got["weights"].keys() == ddp["weights"].keys()
+        for key, value in ddp["weights"].items():
+            torch.testing.assert_close(got["weights"][key], value, rtol=0, atol=1e-5,
+                                       msg=f"{name} {key}")
+        assert [r["expert_tokens"] for r in _rows(tmp_path / name)] == [
+            r["expert_tokens"] for r in _rows(tmp_path / "ddp")]
+    first = sorted((tmp_path / "fsdp" / "checkpoints").glob("step_*"))[0]
+    (two,) = run_ranks(fit_runs, 2, tmp_path, [dict(
+        run, output_dir=str(tmp_path / "two"), resume_from=str(first), batch_size=16, ep=2,
+        strategy="fsdp")])[0]
+    assert two["resumed_from"]
+    for key, value in fsdp["weights"].items():
+        torch.testing.assert_close(two["weights"][key], value, rtol=0, atol=1e-5, msg=key)
 
 
 @pytest.mark.slow

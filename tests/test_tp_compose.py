@@ -351,6 +351,12 @@ def test_a_state_with_the_earlier_fused_rows_loads_head_by_head() -> None:
     # 6B of the 7B in experts, a quarter of them on each of 4 ranks: 2.5B held, 16 B each
     (["--world_size", "4", "--experts", "6B", "--ep", "4"],
      "ddp on 4 rank(s)", "= 37.3 GiB per rank"),
+    # two groups of 2: half of the experts a rank, 4B held
+    (["--world_size", "4", "--experts", "6B", "--ep", "2"],
+     "ddp on 4 rank(s)", "= 59.6 GiB per rank"),
+    # fsdp shards the experts over their group, then over the groups: 1/8 of everything
+    (["--world_size", "8", "--experts", "6B", "--ep", "2", "--strategy", "fsdp"],
+     "fsdp on 8 rank(s)", "= 13.0 GiB per rank"),
 ])
 def test_doctor_prints_the_layouts_bytes_per_rank(
     flags: list[str], layout: str, per_rank: str, capsys: pytest.CaptureFixture[str],
@@ -362,7 +368,8 @@ def test_doctor_prints_the_layouts_bytes_per_rank(
         monkeypatch.delenv(var, raising=False)
     assert main(["--parameters", "7B", *flags]) == 0  # one process: no collective
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("strategy"))
-    experts = " (6,000,000,000 in experts, 1/4 of them a rank)" if "--ep" in flags else ""
+    ep = flags[flags.index("--ep") + 1] if "--ep" in flags else ""
+    experts = f" (6,000,000,000 in experts, spread over {ep} ranks)" if ep else ""
     assert line.startswith(f"strategy   {layout}, 7,000,000,000 parameters{experts}, adamw: "), line
     assert line.endswith(per_rank), line
 
@@ -374,8 +381,9 @@ def test_doctor_prints_the_layouts_bytes_per_rank(
      "world size 8 is not dp_replicate 1 x data-parallel shards x tp 3 x pp 1"),
     (["--dp_replicate", "2", "--world_size", "4"], "--dp_replicate 2 is HSDP"),
     (["--tp", "0", "--world_size", "4"], "--tp 0 is invalid: use a positive number of ranks"),
-    (["--ep", "2", "--world_size", "4"], "--ep 2 takes all the job's ranks for now"),
-    (["--ep", "2", "--world_size", "2", "--strategy", "fsdp"], "--ep 2 runs under --strategy ddp"),
+    (["--ep", "3", "--world_size", "4"], "--ep 3 does not divide the job's 4 ranks"),
+    (["--ep", "2", "--world_size", "2", "--strategy", "zero"],
+     "--ep 2 runs under --strategy ddp or fsdp"),
     (["--experts", "8B", "--world_size", "2"], "--experts 8B is more than --parameters 7B"),
 ])
 def test_doctor_refuses_a_layout_that_does_not_fit_in_one_line(

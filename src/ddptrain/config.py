@@ -184,8 +184,8 @@ class TrainingConfig:
         "model that is not the built-in GPT under --pp",
     )
     ep: int = _f(1, "expert parallelism: each mixture-of-experts layer's experts spread over "
-                 "this many ranks (all the data-parallel ones, under ddp), tokens sent to "
-                 "them and back with an all-to-all; 1: every rank holds every expert")
+                 "this many data-parallel ranks (a divisor of their number; ddp or fsdp), tokens "
+                 "sent to them and back with an all-to-all; 1: every rank holds every expert")
     tp_plan: str | None = _f(
         None,
         "package.module:fn, fn(model, tp_mesh) parallelizes a model that is not the "
@@ -495,9 +495,11 @@ class TrainingConfig:
             _bad("pp_split", self.pp_split, "give package.module:fn, fn(model, stage, stages)")
         self._at_least(1, "use a whole number of at least 1", "pp_microbatches")
         self._at_least(1, "use a whole number of at least 1 (1: off)", "ep")
-        if self.ep > 1 and (self.strategy != "ddp" or max(self.tp, self.pp, self.dp_replicate) > 1):
-            raise ConfigError(f"--ep {self.ep} runs under --strategy ddp over all the ranks for "
-                              "now: drop --ep, or --tp, --pp, --dp_replicate and fsdp/zero")
+        others = max(self.tp, self.pp, self.dp_replicate)
+        if self.ep > 1 and (self.strategy == "zero" or others > 1):
+            raise ConfigError(f"--ep {self.ep} runs under --strategy ddp or fsdp over the "
+                              "data-parallel ranks alone: drop --ep, or --tp, --pp, "
+                              "--dp_replicate and zero")
 
     def _check_precision(self) -> None:
         pass  # each field is a choice argparse and the dataclass's types already hold to

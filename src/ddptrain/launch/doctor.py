@@ -306,9 +306,10 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
     world_size = args.world_size or world_size
     config = TrainingConfig(strategy=args.strategy, optimizer=args.optimizer, tp=args.tp,
                             pp=args.pp, dp_replicate=args.dp_replicate, ep=args.ep).validate()
-    if args.ep > 1 and args.ep != world_size:
-        raise ConfigError(f"--ep {args.ep} takes all the job's ranks for now, and there are "
-                          f"{world_size}: give --world_size {args.ep}")
+    if world_size % args.ep:
+        raise ConfigError(f"--ep {args.ep} does not divide the job's {world_size} ranks: an "
+                          f"expert group is {args.ep} of them; give --world_size a multiple "
+                          f"of {args.ep}")
     choice = resolve_strategy(config, world_size, device)  # a layout that does not fit: one line
     if args.parameters is None:
         return f"strategy   {choice.label} (give --parameters 125M for the bytes per rank)"
@@ -317,10 +318,11 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
     if experts > count:
         raise ConfigError(f"--experts {args.experts} is more than --parameters "
                           f"{args.parameters}: give the experts' share of the model")
-    # each rank holds the others whole (ddp) and 1/ep of the experts (`--ep`)
-    held = count - experts + experts // args.ep
+    # ddp: each rank holds the rest whole and 1/ep of the experts (`--ep`); fsdp shards
+    # both over every rank (the experts over their group, then over the groups)
+    held = count if config.strategy == "fsdp" else count - experts + experts // args.ep
     figures = choice.rank_bytes(held, optimizer_slots(config))
-    spread = (f" ({experts:,} in experts, 1/{args.ep} of them a rank)" if experts and
+    spread = (f" ({experts:,} in experts, spread over {args.ep} ranks)" if experts and
               args.ep > 1 else f" ({experts:,} in experts)" if experts else "")
     return (f"strategy   {choice.label} on {world_size} rank(s), {count:,} parameters{spread}, "
             f"{args.optimizer}: {format_bytes(figures)}")

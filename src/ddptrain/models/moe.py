@@ -11,8 +11,10 @@ that of the dense computation of the chosen experts.
 
 The experts' weights are batched tensors, (experts, in, out) and (experts, out), so that
 a sharding over the experts is a split of dimension 0. The tokens are sorted by expert
-and each expert multiplies its contiguous rows (the group sizes are read on the host: one
-read per layer and forward, as torchtitan's loop over experts does).
+and each expert multiplies its contiguous rows: all of them in one grouped GEMM
+(`torch._grouped_mm`, its group ends a device tensor: no host read) where the widths
+meet its 16-byte alignment, else a loop over the experts (the group sizes read on the
+host: one read per layer and forward, as torchtitan's loop does).
 
 Under expert parallelism (`--ep`, `ddptrain.parallel.ep`) each rank holds its share of the
 experts (the batched weights are DTensor shards of dimension 0): the sorted rows go to
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
@@ -79,31 +82,42 @@ class MoE(nn.Module):
         weight, chosen = probs.topk(self.top_k, dim=-1)  # (tokens, k)
         weight = (weight / weight.sum(-1, keepdim=True)).to(x.dtype)
         slots = chosen.reshape(-1)  # token i's k slots at i*k .. i*k+k-1
-        counts = torch.bincount(slots, minlength=self.experts)
+        # (bincount would read its largest value on the host)
+        counts = slots.new_zeros(self.experts).scatter_add_(0, slots, torch.ones_like(slots))
         order = slots.argsort(stable=True)  # the slots grouped by expert, in token order
         token = order // self.top_k
         rows = flat[token]
-        out = (self._experts(rows, counts.tolist()) if self.ep_group is None
+        out = (self._experts(rows, counts, slots[order]) if self.ep_group is None
                else self._exchanged(rows, counts)) * weight.reshape(-1)[order, None]
-        mixed = torch.zeros_like(flat).index_add_(0, token, out)
+        mixed = torch.zeros_like(x)  # its own tensor, not a view (FSDP wraps the layer)
+        mixed.view(-1, x.size(-1)).index_add_(0, token, out)
         share = counts.float() / slots.numel()
         self.last = (self.experts * (share * probs.mean(0)).sum(), counts)
-        return self.dropout(mixed.view_as(x))
+        return self.dropout(mixed)
 
-    def _experts(self, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Each (local) expert's MLP on its contiguous share of `rows`, `sizes` rows each."""
+    def _experts(self, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each (local) expert's MLP on its contiguous share of `rows`: `counts[e]` rows of
+        expert e, `ids` each row's expert (device tensors)."""
         w_in, b_in, w_out, b_out = (_local(p) for p in (self.w_in, self.b_in, self.w_out,
                                                         self.b_out))
+        if _aligned(w_in):
+            ends = counts.cumsum(0).to(torch.int32)
+            dtype = (torch.get_autocast_dtype(rows.device.type)
+                     if torch.is_autocast_enabled(rows.device.type) else rows.dtype)
+            # as the loop's matmuls under autocast: the products in its dtype, the biases
+            # added in theirs
+            hidden = F.gelu(torch._grouped_mm(rows.to(dtype), w_in.to(dtype), offs=ends)
+                            + _per_row(b_in, ids))
+            return torch._grouped_mm(hidden.to(dtype), w_out.to(dtype), offs=ends) + _per_row(
+                b_out, ids)
         return torch.cat([
             F.gelu(part @ w_in[e] + b_in[e]) @ w_out[e] + b_out[e]
-            for e, part in enumerate(rows.split(sizes))
+            for e, part in enumerate(rows.split(counts.tolist()))  # one host read
         ])
 
     def _exchanged(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`rows` (sorted by expert, `counts` for each) computed by the ranks holding their
         experts, back in the order they left."""
-        from torch.distributed.nn.functional import all_to_all_single
-
         group = self.ep_group
         ranks = dist.get_world_size(group)
         local = self.experts // ranks
@@ -112,15 +126,16 @@ class MoE(nn.Module):
         sizes = torch.cat([counts.view(ranks, local).sum(1), got]).tolist()  # one host read
         send, got_n = sizes[:ranks], sizes[ranks:]
         recv = [sum(got_n[q * local : (q + 1) * local]) for q in range(ranks)]
-        inbound = all_to_all_single(rows.new_empty(sum(recv), rows.size(1)), rows, recv, send,
-                                    group=group)
+        inbound = all_to_all_single(rows, recv, send, group)  # differentiable
         blocks = inbound.split(got_n)  # by source rank, then by expert: regrouped by expert
         by_expert = [q * local + j for j in range(local) for q in range(ranks)]
-        out = self._experts(torch.cat([blocks[i] for i in by_expert]),
-                            [sum(got_n[j::local]) for j in range(local)])
+        mine = torch.tensor([sum(got_n[j::local]) for j in range(local)], device=rows.device)
+        out = self._experts(torch.cat([blocks[i] for i in by_expert]), mine,
+                            torch.arange(local, device=rows.device).repeat_interleave(
+                                mine, output_size=inbound.size(0)))
         parts = dict(zip(by_expert, out.split([got_n[i] for i in by_expert]), strict=True))
         back = torch.cat([parts[i] for i in range(ranks * local)])
-        return all_to_all_single(rows.new_empty(rows.shape), back, send, recv, group=group)
+        return all_to_all_single(back, send, recv, group)
 
 
 def expert_parameters(module: nn.Module) -> list[torch.Tensor]:
@@ -133,6 +148,21 @@ def expert_parameters(module: nn.Module) -> list[torch.Tensor]:
         if (isinstance(owner, MoE) and leaf in owner.expert_weights) or ".experts." in f".{name}":
             found.setdefault(id(p), p)
     return list(found.values())
+
+
+def _aligned(w_in: torch.Tensor) -> bool:
+    """Whether the grouped GEMM takes these widths: each row of every operand a multiple
+    of 16 bytes (in the narrowest dtype it may compute in)."""
+    return all(n * 2 % 16 == 0 for n in (w_in.size(1), w_in.size(2)))
+
+
+def _per_row(bias: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each row's expert's bias, `bias[ids]`, as a product with the rows' one-hot experts:
+    its gradient is then a matrix product too, summed in a fixed order (indexing's
+    backward accumulates in an order threads and atomics choose: not bit for bit)."""
+    experts = torch.arange(bias.size(0), device=ids.device)
+    with torch.autocast(ids.device.type, enabled=False):  # the bias in its own precision
+        return (ids[:, None] == experts).to(bias.dtype) @ bias  # (one_hot reads the top id)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

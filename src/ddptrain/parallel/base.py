@@ -241,6 +241,42 @@ class Strategy:
         return {"params": params, "grads": grads, "optimizer": state_bytes(optimizer.state)}
 
 
+def by_layout(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The parameters with a gradient, grouped by how the gradient is laid out (tp-split
+    ones on data-parallel x tp, whole ones on data-parallel alone, plain tensors): torch's
+    fused norms and scalings take one layout at a time."""
+    groups: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        key = (g.device_mesh.mesh_dim_names, g.placements) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
+def squared_norm(groups: list[list[nn.Parameter]], device: torch.device) -> torch.Tensor:
+    """The squared global norm of the groups' gradients (a 0-d float tensor): each group's
+    norm reduced over its own mesh, then summed."""
+    squares = []
+    for group in groups:
+        norm = nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares.append(norm.float().square())
+    return torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+
+
+def clip_by_layout(groups: list[list[nn.Parameter]], max_norm: float,
+                   device: torch.device) -> torch.Tensor:
+    """Clip the gradients of `groups` (`by_layout`) to the global norm `max_norm`; returns
+    the norm before clipping."""
+    total = squared_norm(groups, device).sqrt()
+    for group in groups:
+        nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+
 def named_optimizer_state(optim: State, module: nn.Module) -> State:
     """An optimizer state keyed by parameter names. A torch `Optimizer.state_dict()`
     (integer ids, the order the optimizer was built in: the trainable parameters) is

@@ -30,9 +30,15 @@ from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from ddptrain.parallel.base import NO_CONTEXT, State, Strategy
-from ddptrain.parallel.ep import expert_parallel
-from ddptrain.parallel.tp import by_layout, squared_norm
+from ddptrain.parallel.base import (
+    NO_CONTEXT,
+    State,
+    Strategy,
+    by_layout,
+    clip_by_layout,
+    local_tensor,
+)
+from ddptrain.parallel.ep import expert_parallel, expert_params
 
 READY_ORDER = "grad_ready_order"  # the key in `layout_state`: parameter names
 
@@ -49,11 +55,35 @@ class DDP(Strategy):
         # tokens with every rank, so all ranks run as many
         self.experts_apart = self.config.ep > 1
         self.flags_differ = self.even_forwards = self.experts_apart
+        self._experts: list[nn.Parameter] = []  # --ep: this rank's experts, DDP's to ignore
+        self._replicas: Any = None  # --ep: the group holding the same experts, if several
+
+    def _spread_experts(self, module: nn.Module) -> None:
+        """`--ep`: each rank keeps its experts (`parallel.ep`). An expert's gradient arrives
+        summed over its group's tokens: divided by every data-parallel rank here, as DDP
+        averages the rest, and summed over the groups in `finish_gradients`."""
+        mesh = expert_parallel(module, self.ctx, self.config.ep)
+        experts = expert_params(module)
+        world = self.ctx.data_world
+        for p in experts.values():
+            p.register_hook(lambda grad: grad / world)
+        self._experts = list(experts.values())
+        if mesh.size(0) > 1:
+            self._replicas = mesh.get_group("dp_mod_ep")
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(experts))
+
+    def finish_gradients(self) -> None:
+        if self._replicas is None:
+            return
+        grads = [local_tensor(p.grad) for p in self._experts if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce for them all
+        dist.all_reduce(flat, group=self._replicas)
+        for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(part.view_as(grad))
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         if self.experts_apart:
-            ignored = expert_parallel(module, self.ctx, self.config.ep)
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ignored)
+            self._spread_experts(module)
         model = self._wrap(module)
         # With --find_unused_parameters DDP never rebuilds its buckets: nothing to keep
         # (nor with --ep, whose experts are not in them).
@@ -71,11 +101,8 @@ class DDP(Strategy):
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         if not self.experts_apart:
             return super().clip_grad_norm(params, max_norm)
-        groups = by_layout(params)  # the experts' DTensor gradients, the replicated rest
-        total = squared_norm(groups, self.ctx.device).sqrt()
-        for group in groups:
-            nn.utils.clip_grads_with_norm_(group, max_norm, total)
-        return total
+        # the experts' DTensor gradients, the replicated rest
+        return clip_by_layout(by_layout(params), max_norm, self.ctx.device)
 
     def _wrap(
         self, module: nn.Module, order: list[str] | None = None,

@@ -2,53 +2,72 @@
 ranks (`ddptrain.models.moe`).
 
     torchrun --nproc_per_node=2 -m ddptrain train --dataset chars --model gpt \\
-        --model_args experts=8 top_k=2 --ep 2          # 4 experts a rank
+        --model_args experts=8 top_k=2 --ep 2                    # 4 experts a rank
+    torchrun --nproc_per_node=4 -m ddptrain train --dataset chars --model gpt \\
+        --model_args experts=8 top_k=2 --ep 2 --strategy fsdp    # and sharded over 2 more
 
-The pass runs on the bare module before DDP wraps it, and borrows the data-parallel ranks
-(for now all of them, under ddp): each layer's batched expert weights become DTensors
-sharded by expert (dimension 0) on a 1-D `ep` mesh, each rank keeping the rows of its
-E-th of the experts, and the layer sends each token's rows to the rank of its expert
-and back with an all-to-all. DDP leaves those weights alone: every rank's tokens reach
-the expert's own rank, so its gradient arrives there whole, summed over the ranks, and is
-divided by their number as DDP averages the others. Checkpoints are DCP step directories
-(each rank writes its experts; a step resumes into any other `--ep` or world size), and
-exports make each expert tensor whole under its own name.
+The pass runs on the bare module before the strategy wraps it, and borrows the
+data-parallel ranks, as torchtitan does: they are laid out as `dp_mod_ep x ep` (an
+expert group is `ep` ranks next to each other, inside a node where `ep` divides it).
+Each layer's batched expert weights become DTensors sharded by expert (dimension 0) on
+the `ep` dimension, each rank keeping the rows of its E-th of the experts, and the layer
+sends each token's rows to the rank of its expert and back with an all-to-all. So an
+expert's gradient arrives on its rank whole, summed over the group's tokens; what is left
+is a sum over `dp_mod_ep` and the data-parallel mean, which the strategies do (`ddp`: an
+all-reduce once a window; `fsdp`: the experts' own unit, sharded over `dp_mod_ep`).
+Checkpoints are DCP step directories (each rank writes its experts; a step resumes into
+any other `--ep` or world size), and exports make each expert tensor whole under its own
+name.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
 
+DIMS = ("dp_mod_ep", "ep")
 
-def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> list[str]:
+
+def expert_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers of `module` that spread their experts: those naming their batched
+    weights (`models.moe.MoE.expert_weights`)."""
+    return [m for m in module.modules() if hasattr(m, "expert_weights")]
+
+
+def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> DeviceMesh:
     """Spread `module`'s experts over `ep` ranks, in place (see the module's docstring);
-    returns the names of the experts' parameters, which DDP is to leave alone."""
-    if ep != ctx.data_world:
-        raise ConfigError(f"--ep {ep} spreads the experts over all the data-parallel ranks "
-                          f"for now, and there are {ctx.data_world}: launch {ep} ranks")
-    # a layer that spreads its experts names its batched weights (`models.moe.MoE`)
-    layers = [(n, m) for n, m in module.named_modules() if hasattr(m, "expert_weights")]
-    if not layers:
+    returns the 2-D mesh (`DIMS`) of the data-parallel ranks the experts live on."""
+    if ctx.data_world % ep:
+        raise ConfigError(f"--ep {ep} does not divide the {ctx.data_world} data-parallel "
+                          f"ranks: an expert group is {ep} of them; choose --ep among the "
+                          f"divisors of {ctx.data_world}")
+    named = [(n, m) for n, m in module.named_modules() if hasattr(m, "expert_weights")]
+    if not named:
         raise ConfigError(f"--ep {ep} needs a mixture of experts: --model gpt --model_args "
                           "experts=E top_k=K")
-    mesh = init_device_mesh(ctx.device.type, (ep,), mesh_dim_names=("ep",))
-    names = []
-    for name, layer in layers:
+    mesh = init_device_mesh(ctx.device.type, (ctx.data_world // ep, ep), mesh_dim_names=DIMS)
+    for name, layer in named:
         if layer.experts % ep:
             raise ConfigError(f"--ep {ep} does not divide the {layer.experts} experts of "
                               f"{name}: choose --ep among the divisors of {layer.experts}")
         for leaf in layer.expert_weights:
             whole = getattr(layer, leaf)
             # every rank built the same seeded weights: each keeps its own rows
-            shard = distribute_tensor(whole.detach(), mesh, [Shard(0)], src_data_rank=None)
-            param = nn.Parameter(shard, requires_grad=whole.requires_grad)
-            param.register_hook(lambda grad: grad / ep)  # summed over the ranks: averaged
-            setattr(layer, leaf, param)
-            names.append(f"{name}.{leaf}")
-        layer.ep_group = mesh.get_group()
-    return names
+            shard = distribute_tensor(whole.detach(), mesh["ep"], [Shard(0)],
+                                      src_data_rank=None)
+            setattr(layer, leaf, nn.Parameter(shard, requires_grad=whole.requires_grad))
+        layer.ep_group = mesh["ep"].get_group()
+    return mesh
+
+
+def expert_params(module: nn.Module) -> dict[str, Any]:
+    """The experts' batched weights spread by `expert_parallel`, by name."""
+    return {f"{name}.{leaf}" if name else leaf: getattr(layer, leaf)
+            for name, layer in module.named_modules() if hasattr(layer, "expert_weights")
+            for leaf in layer.expert_weights}

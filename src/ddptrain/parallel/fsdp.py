@@ -29,9 +29,12 @@ from ddptrain.parallel.base import (
     ModelBuilder,
     State,
     Strategy,
+    by_layout,
+    clip_by_layout,
     count_parameters,
     init_optimizer_state,
 )
+from ddptrain.parallel.ep import expert_layers, expert_parallel
 from ddptrain.parallel.mesh import fsdp_mesh
 
 log = logging.getLogger("ddptrain")
@@ -114,6 +117,8 @@ class FSDP(Strategy):
             )
         if self.config.fsdp_cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
+        if self.config.ep > 1:
+            self._shard_experts(module, kwargs)
         blocks = self._units(module)
         for block in blocks:
             fully_shard(block, **kwargs)
@@ -123,6 +128,23 @@ class FSDP(Strategy):
         log.debug("fsdp: %d blocks sharded, plus the root", len(blocks))
         self._root, self._blocks = module, blocks
         return module
+
+    def _shard_experts(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
+        """`--ep`: each layer's experts spread over their group (`parallel.ep`), then
+        sharded over the ranks that hold the same ones (`dp_mod_ep`), in a unit of their
+        own: the layer's other modules (the router) get theirs, on every rank. Each
+        expert's gradient arrives summed over its group's tokens; the reduce-scatter
+        sums it over `dp_mod_ep` and divides by every data-parallel rank."""
+        mesh = expert_parallel(module, self.ctx, self.config.ep)
+        for layer in expert_layers(module):
+            for child in layer.children():
+                if count_parameters(child):
+                    fully_shard(child, **kwargs)
+            unit = fully_shard(layer, **{**kwargs, "mesh": mesh["dp_mod_ep"]})
+            unit.set_gradient_divide_factor(float(self.ctx.data_world))
+            # gloo has no pre-scaled sum: a sum, then the division. Not for a lone holder,
+            # whose gradient torch 2.13 would divide twice that way.
+            unit.set_force_sum_reduction_for_comms(mesh["dp_mod_ep"].size() > 1)
 
     def _units(self, module: nn.Module) -> list[nn.Module]:
         """The modules sharded one by one before the root (see `fsdp_blocks`)."""
@@ -167,6 +189,8 @@ class FSDP(Strategy):
         return NO_CONTEXT
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        if self.config.ep > 1:  # the experts' gradients lie on a mesh of their own
+            return clip_by_layout(by_layout(params), max_norm, self.ctx.device)
         # Each rank holds a shard of every gradient: the norm of the sharded gradients
         # is a DTensor whose full value is the global norm.
         grads = [p.grad for p in params if p.grad is not None]

@@ -60,16 +60,18 @@ from ddptrain.parallel.base import (
     Autocast,
     BatchLoss,
     State,
+    by_layout,
     copy_whole,
     local_tensor,
     named_tensors,
+    squared_norm,
     tensors_by_identity,
     to_cpu,
 )
 from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh, tp_mesh
 from ddptrain.parallel.pp_hf import HFDecoderStage, check_hf_stages, is_hf_decoder
-from ddptrain.parallel.tp import by_layout, squared_norm, tensor_parallel
+from ddptrain.parallel.tp import tensor_parallel
 from ddptrain.parallel.tp_hf import read_hf_config
 from ddptrain.plugins import load_ref
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -46,7 +46,7 @@ from torch.distributed.tensor.parallel import (
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.base import NO_CONTEXT, tensors_by_identity
+from ddptrain.parallel.base import NO_CONTEXT, by_layout, clip_by_layout, tensors_by_identity
 from ddptrain.parallel.fsdp import FSDP, retie
 from ddptrain.parallel.lora import tp_plan_with_adapters
 from ddptrain.parallel.mesh import tp_mesh
@@ -86,11 +86,7 @@ class TensorParallel(FSDP):
         return super().no_backward_sync(model, skip) if self.shards_data else NO_CONTEXT
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        groups = by_layout(params)
-        total = squared_norm(groups, self.ctx.device).sqrt()
-        for group in groups:
-            nn.utils.clip_grads_with_norm_(group, max_norm, total)
-        return total
+        return clip_by_layout(by_layout(params), max_norm, self.ctx.device)
 
 
 def tensor_parallel(module: nn.Module, config: TrainingConfig, ctx: DistributedContext) -> None:
@@ -107,31 +103,6 @@ def tensor_parallel(module: nn.Module, config: TrainingConfig, ctx: DistributedC
             )
         plan = functools.partial(parallelize_gpt, sequence_parallel=True)
     plan(module, mesh)
-
-
-def by_layout(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """The parameters with a gradient, grouped by how the gradient is laid out (tp-split
-    ones on data-parallel x tp, whole ones on data-parallel alone, plain tensors): torch's
-    fused norms and scalings take one layout at a time."""
-    groups: dict[Any, list[nn.Parameter]] = {}
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        key = (g.device_mesh.mesh_dim_names, g.placements) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(p)
-    return list(groups.values())
-
-
-def squared_norm(groups: list[list[nn.Parameter]], device: torch.device) -> torch.Tensor:
-    """The squared global norm of the groups' gradients (a 0-d float tensor): each group's
-    norm reduced over its own mesh, then summed."""
-    squares = []
-    for group in groups:
-        norm = nn.utils.get_total_norm([p.grad for p in group if p.grad is not None])
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        squares.append(norm.float().square())
-    return torch.stack(squares).sum() if squares else torch.zeros((), device=device)
 
 
 def tensor_parallel_plan(module: nn.Module, config: TrainingConfig) -> TPPlan:
