@@ -111,7 +111,7 @@ def test_a_resumed_run_goes_on_bit_for_bit(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"tp": 2}, "--model gpt with experts under --tp or --pp is not supported yet"),
+    ({"pp": 2}, "--model gpt with experts under --pp is not supported yet"),
     ({"model_args": {"experts": 1}}, "a mixture needs at least 2 experts"),
     ({"model_args": {"experts": 4, "top_k": 5}}, "1 <= top_k <= experts"),
     ({"model_args": {"expert": 4}}, "--model gpt takes no --model_args but experts, top_k"),
@@ -128,6 +128,13 @@ def test_what_does_not_combine_is_one_line(
     with pytest.raises(ConfigError) as caught:
         create_model(config, data, data.facts.vocab_size or 10, torch.device("meta"))
     assert message in str(caught.value)
+
+
+def test_experts_split_by_sequence_are_one_line() -> None:
+    from ddptrain.parallel.tp import split_experts
+
+    with pytest.raises(ConfigError, match="--sequence_parallel with the built-in GPT's experts"):
+        split_experts(MoE(width=8, hidden=16, experts=4, top_k=2), None, True)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("fields", "message"), [
@@ -222,26 +229,28 @@ def test_experts_spread_over_two_ranks_train_as_ddp_and_resume_on_one(tmp_path: 
 
 
 @pytest.mark.slow
-def test_experts_over_part_of_the_ranks_train_as_ddp_with_or_without_fsdp(
+def test_experts_over_part_of_the_ranks_or_split_by_tp_train_as_ddp(
     tmp_path: Path,
 ) -> None:
     """4 ranks as 2 expert groups of 2 (`dp_mod_ep 2 x ep 2`): `--ep 2` under ddp (the
     groups' expert gradients all-reduced once a window) and under fsdp (each expert's
-    shard further split over the 2 ranks that hold it, the rest over all 4) end within
-    1e-5 of ddp (SGD with momentum, clipping, 2-step accumulation), the rows counting the
-    same tokens per expert. The fsdp run's DCP step of the first epoch resumes on 2 ranks
+    shard further split over the 2 ranks that hold it, the rest over all 4), and fsdp x
+    `--tp 2` (each expert's hidden width split over the tp ranks) end within 1e-5 of ddp
+    (SGD with momentum, clipping, 2-step accumulation), the rows counting the same
+    tokens per expert. The ep fsdp run's DCP step of the first epoch resumes on 2 ranks
     as fsdp with `--ep 2` (one group: no expert sharding) and ends as it does."""
     from dist_utils import run_ranks
     from nd_workers import fit_runs
 
     run = dict(GPT, epochs=2, grad_accum_steps=2, batch_size=8, synthetic_size=128,
                checkpoint_format="dcp", moe_aux_weight=0.0)
-    ddp, ep, fsdp = run_ranks(fit_runs, 4, tmp_path, [
+    ddp, ep, fsdp, tp = run_ranks(fit_runs, 4, tmp_path, [
         dict(run, output_dir=str(tmp_path / "ddp")),
         dict(run, output_dir=str(tmp_path / "ep"), ep=2),
         dict(run, output_dir=str(tmp_path / "fsdp"), ep=2, strategy="fsdp"),
+        dict(run, output_dir=str(tmp_path / "tp"), tp=2, strategy="fsdp", batch_size=16),
     ])[0]
-    for name, got in (("ep", ep), ("fsdp", fsdp)):
+    for name, got in (("ep", ep), ("fsdp", fsdp), ("tp", tp)):
         assert got["weights"].keys() == ddp["weights"].keys()
         for key, value in ddp["weights"].items():
             torch.testing.assert_close(got["weights"][key], value, rtol=0, atol=1e-5,

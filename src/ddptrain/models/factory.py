@@ -125,9 +125,9 @@ def _builtin(name: str, config: TrainingConfig, data: DataBundle, outputs: int) 
         from ddptrain.models.gpt import build_gpt
 
         moe = {k: v for k, v in config.model_args.items() if k in GPT_ARGS}
-        if moe and (config.tp > 1 or config.pp > 1):
-            raise ConfigError("--model gpt with experts under --tp or --pp is not supported "
-                              "yet: train a mixture of experts under ddp, zero or fsdp")
+        if moe and config.pp > 1:
+            raise ConfigError("--model gpt with experts under --pp is not supported yet: "
+                              "train a mixture of experts under ddp, zero, fsdp or --tp")
         try:
             return build_gpt(outputs, shape[0], config.width, **{
                 k: int(v) for k, v in moe.items()})

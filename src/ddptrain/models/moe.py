@@ -63,6 +63,7 @@ class MoE(nn.Module):
         # (load-balancing loss, token slots per expert) of the newest forward
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None
         self.ep_group: Any = None  # the ranks the experts are spread over (`--ep`)
+        self.tp_group: Any = None  # the ranks splitting each expert's hidden width (`--tp`)
 
     def reset_parameters(self) -> None:
         """GPT-2's initialisation, the output projections shrunk with depth (`out_std`)."""
@@ -97,9 +98,11 @@ class MoE(nn.Module):
 
     def _experts(self, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each (local) expert's MLP on its contiguous share of `rows`: `counts[e]` rows of
-        expert e, `ids` each row's expert (device tensors)."""
-        w_in, b_in, w_out, b_out = (_local(p) for p in (self.w_in, self.b_in, self.w_out,
-                                                        self.b_out))
+        expert e, `ids` each row's expert (device tensors). Under `--tp` each rank holds a
+        slice of every expert's hidden width: the products are summed over the tp ranks."""
+        w_in, b_in, w_out = (_local(p) for p in (self.w_in, self.b_in, self.w_out))
+        if self.tp_group is not None:
+            rows = _SumGradients.apply(rows, self.tp_group)
         if _aligned(w_in):
             ends = counts.cumsum(0).to(torch.int32)
             dtype = (torch.get_autocast_dtype(rows.device.type)
@@ -108,12 +111,15 @@ class MoE(nn.Module):
             # added in theirs
             hidden = F.gelu(torch._grouped_mm(rows.to(dtype), w_in.to(dtype), offs=ends)
                             + _per_row(b_in, ids))
-            return torch._grouped_mm(hidden.to(dtype), w_out.to(dtype), offs=ends) + _per_row(
-                b_out, ids)
-        return torch.cat([
-            F.gelu(part @ w_in[e] + b_in[e]) @ w_out[e] + b_out[e]
-            for e, part in enumerate(rows.split(counts.tolist()))  # one host read
-        ])
+            out = torch._grouped_mm(hidden.to(dtype), w_out.to(dtype), offs=ends)
+        else:
+            out = torch.cat([
+                F.gelu(part @ w_in[e] + b_in[e]) @ w_out[e]
+                for e, part in enumerate(rows.split(counts.tolist()))  # one host read
+            ])
+        if self.tp_group is not None:
+            out = _SumOutputs.apply(out, self.tp_group)
+        return out + _per_row(_local(self.b_out), ids)
 
     def _exchanged(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`rows` (sorted by expert, `counts` for each) computed by the ranks holding their
@@ -148,6 +154,37 @@ def expert_parameters(module: nn.Module) -> list[torch.Tensor]:
         if (isinstance(owner, MoE) and leaf in owner.expert_weights) or ".experts." in f".{name}":
             found.setdefault(id(p), p)
     return list(found.values())
+
+
+class _SumGradients(torch.autograd.Function):
+    """The tp ranks' common input: as it is forward, its gradients (each rank's from its
+    slice of the experts) summed over them backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOutputs(torch.autograd.Function):
+    """The tp ranks' partial products summed forward; each rank's gradient (the same on
+    all) passed back as it is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 def _aligned(w_in: torch.Tensor) -> bool:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -147,9 +147,12 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool 
         plan: dict[str, ParallelStyle] = {
             "attn.qkv": ColwiseParallel(),
             "attn.c_proj": RowwiseParallel(output_layouts=out),
-            "mlp.c_fc": ColwiseParallel(),
-            "mlp.c_proj": RowwiseParallel(output_layouts=out),
         }
+        if hasattr(block.mlp, "expert_weights"):
+            split_experts(block.mlp, mesh, sequence_parallel)
+        else:
+            plan.update({"mlp.c_fc": ColwiseParallel(),
+                         "mlp.c_proj": RowwiseParallel(output_layouts=out)})
         if sequence_parallel:
             norm = SequenceParallel(use_local_output=True)
             plan.update({"ln_1": norm, "attn": gather, "ln_2": norm, "mlp": gather})
@@ -162,6 +165,26 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool 
             "lm_head": gather,
         })
         model.register_forward_pre_hook(_EvenTokens(tp))
+
+
+def split_experts(layer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """A mixture's experts split Megatron-style over the tp ranks (`models.moe.MoE`): each
+    rank holds a slice of every expert's hidden width (the widening weights and biases by
+    columns, the narrowing weights by rows) and the layer sums the partial products over
+    the ranks, one all-reduce forward and one backward; the router and the output biases
+    stay whole on every rank."""
+    if sequence_parallel:
+        raise ConfigError("--sequence_parallel with the built-in GPT's experts is not "
+                          "supported: drop --sequence_parallel (--tp still splits them)")
+    hidden = layer.get_parameter("w_in").size(2)
+    if hidden % mesh.size():
+        raise ConfigError(f"--tp {mesh.size()} does not divide the experts' hidden width "
+                          f"{hidden}: choose --tp among its divisors")
+    for leaf, dim in (("w_in", 2), ("b_in", 1), ("w_out", 1)):
+        whole = getattr(layer, leaf)
+        shard = distribute_tensor(whole.detach(), mesh, [Shard(dim)], src_data_rank=None)
+        setattr(layer, leaf, nn.Parameter(shard, requires_grad=whole.requires_grad))
+    setattr(layer, "tp_group", mesh.get_group())  # noqa: B010 (an attribute, not a module)
 
 
 class _EvenTokens:
