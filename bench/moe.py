@@ -1,7 +1,8 @@
 """A mixture of experts over 2 ranks: what a step costs and what a rank holds when the
-built-in GPT's MLPs are 4 experts (top 2) under ddp, fsdp and expert parallelism
-(`--ep 2`), against the dense GPT under ddp, each run through `ddptrain train` under
-torchrun (gloo, one thread per rank). `make bench` runs it:
+built-in GPT's MLPs are 4 experts (top 2) under ddp, fsdp, expert parallelism (`--ep 2`,
+under ddp and under fsdp) and tensor parallelism (`--tp 2`), against the dense GPT under
+ddp, each run through `ddptrain train` under torchrun (gloo, one thread per rank).
+`make bench` runs it:
 
     .venv/bin/python bench/moe.py          # about 2 minutes on 2 cores
 
@@ -10,7 +11,7 @@ global batch of 16, AdamW, one epoch of 6 steps). For each layout: the median st
 of the train rows after the first, the bytes rank 0 holds (summary.json `rank0_bytes`),
 and under `--ep` the bytes each rank's all-to-alls send in a step's forward (the tokens'
 rows to their experts' ranks and back; backward sends as many again), counted at
-`torch.distributed.nn.functional.all_to_all_single` in each rank.
+`ddptrain.models.moe.all_to_all_single` in each rank.
 
 The report goes into docs/BENCHMARKS.md between `<!-- moe:start -->` and
 `<!-- moe:end -->`; raw figures are kept in runs/bench/moe.json.
@@ -42,6 +43,8 @@ LAYOUTS = [
     (Layout("4 experts, ddp", 2, {"strategy": "ddp"}), True),
     (Layout("4 experts, fsdp", 2, {"strategy": "fsdp"}), True),
     (Layout("4 experts, --ep 2", 2, {"strategy": "ddp", "ep": 2}), True),
+    (Layout("4 experts, fsdp --ep 2", 2, {"strategy": "fsdp", "ep": 2}), True),
+    (Layout("4 experts, --tp 2", 2, {"strategy": "ddp", "tp": 2}), True),
 ]
 BASELINE = "4 experts, ddp"
 
@@ -49,18 +52,17 @@ BASELINE = "4 experts, ddp"
 def _counted(argv: list[str]) -> int:
     """Rank side: ddptrain's CLI, with the bytes its all-to-alls send counted into
     $MOE_A2A_OUT.<rank>.json."""
-    import torch.distributed.nn.functional as functional
-
+    import ddptrain.models.moe as moe
     from ddptrain.cli import main
 
     sent = [0]
-    real = functional.all_to_all_single
+    real = moe.all_to_all_single
 
-    def counting(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+    def counting(input: Any, *args: Any, **kwargs: Any) -> Any:
         sent[0] += input.numel() * input.element_size()
-        return real(output, input, *args, **kwargs)
+        return real(input, *args, **kwargs)
 
-    functional.all_to_all_single = counting
+    moe.all_to_all_single = counting
     try:
         return main(argv)
     finally:
@@ -69,7 +71,7 @@ def _counted(argv: list[str]) -> int:
 
 
 def run(layout: Layout, moe: bool, out: Path) -> dict[str, Any]:
-    batch = GLOBAL_BATCH // layout.ranks
+    batch = GLOBAL_BATCH // layout.data_parallel
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone",
            f"--nproc_per_node={layout.ranks}", str(Path(__file__).resolve()), "--rank_run",
            *JOB, *(EXPERTS if moe else []), *layout.flags, "--batch_size", str(batch),
@@ -127,16 +129,21 @@ def section(results: dict[str, Any]) -> str:
         "twice its MLP work per token; fsdp halves every tensor on each rank, and `--ep 2` "
         "keeps 2 of the 4 experts a rank whole (the attention, embeddings and routers "
         "replicated), so rank 0 holds about what fsdp holds of the experts and all of the "
-        "rest. What `--ep` pays instead of fsdp's all-gathers and reduce-scatters of the "
-        "expert weights is the tokens' rows: each token's rows for an expert on the other "
-        "rank go there and back, in forward and in backward, a volume set by the batch and "
-        "the width, not by the number or size of the experts. On 2 CPU cores the loop over "
-        "experts and gloo's all-to-all dominate the step; on GPUs the point of `--ep` is "
-        "experts too many or too large for each device to hold, with the all-to-all on "
-        "NVLink or the network. Here `--ep 2` steps as fast as ddp with a little over half "
-        "its state, while fsdp pays its all-gathers of every block's weights over gloo. The "
-        "validation losses agree to 1e-6: every layout trains the same model "
-        "(tests/test_moe.py: fsdp and `--ep 2` end within 1e-5 of ddp).",
+        "rest; fsdp with `--ep 2` on 2 ranks holds what fsdp holds (one expert group: "
+        "fsdp has no other rank to shard the experts over, and shards the rest), and `--tp 2` "
+        "splits every expert's hidden width and the attention in two. What `--ep` pays "
+        "instead of fsdp's all-gathers and reduce-scatters of the expert weights is the "
+        "tokens' rows: each token's rows for an expert on the other rank go there and back, "
+        "in forward and in backward, a volume set by the batch and the width, not by the "
+        "number or size of the experts; `--tp` pays an all-reduce of the experts' outputs "
+        "per layer instead. On 2 CPU cores gloo's collectives weigh on every parallel "
+        "layout; on GPUs the point of `--ep` is experts too many or too large for each "
+        "device to hold, with the all-to-all on NVLink or the network. ddp, fsdp and `--ep` "
+        "reach the same validation loss to 1e-6. `--tp` sums each expert's products in "
+        "another order, and routing is discrete: a last-bit difference in a router's "
+        "score sends a token to another expert, which AdamW's normalised steps carry on, "
+        "so its loss differs in the fourth digit; with SGD it ends within 1e-5 of ddp "
+        "(tests/test_moe.py, as fsdp and `--ep` do).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -1,12 +1,14 @@
 """Mixtures of experts: the built-in GPT's (`--model_args experts=E top_k=K`,
-`ddptrain.models.moe`) and a Hugging Face Mixtral built from a config.
+`ddptrain.models.moe`) and Hugging Face's Mixtral and Qwen3-MoE built from a config.
 
 One process (fast tier): the layer equals the dense computation of each token's chosen
-experts; a run logs each expert's token slots per layer, which sum to the tokens times
-top_k; the routers' balancing loss trains (`--moe_aux_weight`) while the rows' loss stays
-the task's; a resume goes on bit for bit; what does not combine is one line. 2 ranks
-(slow tier): fsdp (the experts' batched weights sharded) ends with ddp's weights, for the
-built-in GPT and for Mixtral.
+experts, in the grouped GEMM (no host read) and in the loop over experts; a run logs each
+expert's token slots per layer, which sum to the tokens times top_k; the routers'
+balancing loss trains (`--moe_aux_weight`) while the rows' loss stays the task's; a resume
+goes on bit for bit; what does not combine is one line. 2 and 4 ranks (slow tier): fsdp,
+`--ep` (over all the ranks or over groups of them, under ddp and fsdp) and fsdp x `--tp`
+end with ddp's weights, and their DCP steps resume in other layouts; heavy: an `--ep` run
+SIGKILLed mid-epoch resumes bit for bit.
 """
 
 from __future__ import annotations

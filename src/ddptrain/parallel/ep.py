@@ -22,6 +22,7 @@ name.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
@@ -52,6 +53,10 @@ def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> Devi
         raise ConfigError(f"--ep {ep} needs a mixture of experts: --model gpt --model_args "
                           "experts=E top_k=K")
     mesh = init_device_mesh(ctx.device.type, (ctx.data_world // ep, ep), mesh_dim_names=DIMS)
+    # torch advises, on every rank, to flatten the mesh when a 2-D DTensor is made whole
+    # in two collectives: here a gradient norm (a scalar) and an export's gather, both
+    # as they must be
+    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_two_step_gathers)
     for name, layer in named:
         if layer.experts % ep:
             raise ConfigError(f"--ep {ep} does not divide the {layer.experts} experts of "
@@ -64,6 +69,10 @@ def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> Devi
             setattr(layer, leaf, nn.Parameter(shard, requires_grad=whole.requires_grad))
         layer.ep_group = mesh["ep"].get_group()
     return mesh
+
+
+def _two_step_gathers(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("While redistributing from")
 
 
 def expert_params(module: nn.Module) -> dict[str, Any]:
