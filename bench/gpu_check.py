@@ -14,7 +14,10 @@ one that fails or hangs is recorded and the rest still run:
    with the CPU run's: fp32 paths (IEEE float32, `--tf32 off`) must agree within
    `FP32_TOL`. TF32, bf16 and fp16 autocast runs must end within `AMP_LOSS_TOL` of the fp32
    validation loss. A 2-rank NCCL run is
-   recorded as what NCCL says of two ranks on one GPU.
+   recorded as what NCCL says of two ranks on one GPU. The built-in GPT with 4 experts a
+   block (`--model_args experts=4 top_k=2`: the grouped GEMM) is checked against a CPU run
+   of its own, by validation loss (routing is discrete): fp32, fsdp, bf16 autocast, and
+   `--ep 2` over NCCL recorded.
 2. The CUDA-only tests (`tests/test_precision.py`).
 3. Throughput: a Llama-style model of about 1.1B parameters (22 layers, width 2048, GQA
    32/8 heads, vocab 32000; TinyLlama's shape) through `--model hf:DIR`, bf16 autocast,
@@ -62,8 +65,13 @@ SPEED_RUNS: list[tuple[int, list[str]]] = [
     (8, ["--float8", "rowwise"]), (8, ["--compile"]), (8, ["--float8", "tensorwise", "--compile"]),
 ]
 
-# name -> (ranks, flags, kind): "fp32" compared by weights, "amp" by loss, "info" recorded,
-# "refused" must end with ddptrain's one line naming the way out.
+# The mixture of experts checked: 4 experts a block, 2 a token (width 128: one grouped GEMM)
+MOE = ["--model_args", "experts=4", "top_k=2"]
+
+# name -> (ranks, flags, kind): "fp32" compared by weights, "amp" by loss, "loss" in fp32
+# by loss (a mixture's routing is discrete: a last-bit tie may send a token elsewhere),
+# "info" recorded, "refused" must end with ddptrain's one line naming the way out. Runs
+# of the mixture compare with a CPU run of the mixture.
 CHECKS: dict[str, tuple[int, list[str], str]] = {
     "plain fp32": (1, [], "fp32"),
     "zero": (1, ["--strategy", "zero"], "fp32"),
@@ -85,6 +93,10 @@ CHECKS: dict[str, tuple[int, list[str], str]] = {
     "pp 2 (gloo): refused": (2, ["--backend", "gloo", "--pp", "2"], "refused"),
     "ddp 2 ranks (nccl, one GPU)": (2, ["--backend", "nccl"], "info"),
     "torch.compile": (1, ["--compile"], "fp32"),
+    "experts fp32 (grouped GEMM)": (1, MOE, "loss"),
+    "experts, fsdp": (1, [*MOE, "--strategy", "fsdp"], "loss"),
+    "experts, bf16 autocast": (1, [*MOE, "--use_amp", "--amp_dtype", "bfloat16"], "amp"),
+    "experts --ep 2 (nccl, one GPU)": (2, [*MOE, "--backend", "nccl", "--ep", "2"], "info"),
 }
 
 
@@ -142,17 +154,23 @@ def summary(run: Path) -> dict[str, Any]:
 
 def checks(out: Path, results: dict[str, Any], save: Any, names: list[str]) -> None:
     """The CHECKS in `names`, against the CPU run (made at the first call)."""
-    ref_dir = out / "cpu"
-    if not (ref_dir / "summary.json").exists():
-        rc, tail, secs = launch(1, [*SMALL, "--no-use_amp", "--device", "cpu", "--batch_size",
-                                    "8", "--output_dir", str(ref_dir)], 120)
-        if rc:
-            results["checks"]["cpu reference"] = {"ok": False, "rc": rc, "tail": tail}
-            save()
-            return
-    ref, ref_loss = weights(ref_dir), summary(ref_dir)["val_loss"]
+    refs: dict[bool, tuple[dict[str, Any], float]] = {}
     for name in names:
         ranks, flags, kind = CHECKS[name]
+        moe = MOE[0] in flags
+        if moe not in refs:
+            ref_dir = out / ("cpu-experts" if moe else "cpu")
+            if not (ref_dir / "summary.json").exists():
+                rc, tail, secs = launch(1, [*SMALL, *(MOE if moe else []), "--no-use_amp",
+                                            "--device", "cpu", "--batch_size", "8",
+                                            "--output_dir", str(ref_dir)], 120)
+                if rc:
+                    results["checks"][f"cpu reference{' (experts)' if moe else ''}"] = {
+                        "ok": False, "rc": rc, "tail": tail}
+                    save()
+                    return
+            refs[moe] = weights(ref_dir), summary(ref_dir)["val_loss"]
+        ref, ref_loss = refs[moe]
         run = out / name.replace(" ", "_").replace("(", "").replace(")", "").replace(",", "")
         model_parallel = "--tp" in flags or "--pp" in flags  # its ranks read one batch
         batch = str(8 if model_parallel else 8 // ranks)
@@ -167,7 +185,7 @@ def checks(out: Path, results: dict[str, Any], save: Any, names: list[str]) -> N
             diff, loss = max_diff(ref, weights(run)), summary(run)["val_loss"]
             row.update(max_weight_diff=diff, val_loss=loss, ref_val_loss=ref_loss)
             rel = abs(loss - ref_loss) / abs(ref_loss)
-            row["ok"] = diff <= FP32_TOL if kind != "amp" else rel <= AMP_LOSS_TOL
+            row["ok"] = diff <= FP32_TOL if kind == "fp32" else rel <= AMP_LOSS_TOL
         elif kind == "refused":
             row.update(ok="use --backend nccl" in tail, tail=tail)
         else:
@@ -289,7 +307,8 @@ def section(results: dict[str, Any]) -> str:
         "### Paths checked against a CPU reference", "",
         f"ddptrain's GPT (2 blocks, width 128) for 12 SGD steps; fp32 paths must end within "
         f"{FP32_TOL:g} of the CPU run's weights, autocast runs within {AMP_LOSS_TOL:.0%} of "
-        "its validation loss.", "",
+        "its validation loss; the runs with experts (`--model_args experts=4 top_k=2`) "
+        f"within {AMP_LOSS_TOL:.0%} of a CPU run's with experts.", "",
         "| path | ranks | max weight diff vs CPU | val loss (CPU) | result |",
         "| --- | ---: | ---: | ---: | --- |",
     ]

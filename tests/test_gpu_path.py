@@ -20,6 +20,7 @@ step. The only reads allowed:
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -400,6 +401,37 @@ def test_gpu_check_reports_its_committed_figures_and_says_when_there_is_no_gpu(
     assert "| float8 tensorwise (bf16 autocast) | 1 |" in text
     assert "| pp 2 (gloo) | 2 | - | - | failed (gloo cannot send a CUDA tensor" in text
     assert "| 8 | `--compile` | 52,359 |" in text
+
+def test_gpu_check_compares_the_runs_with_experts_with_a_cpu_run_with_experts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA runs cannot start here: a stand-in launcher writes each run's weights and
+    loss from the model it was asked for (dense or with experts). Each check must meet the
+    CPU run of its own model: a dense reference for a run with experts would fail it."""
+    from safetensors.torch import save_file
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from bench import gpu_check
+
+    launched: list[list[str]] = []
+
+    def launch(ranks: int, args: list[str], timeout_s: float) -> tuple[int, str, float]:
+        launched.append(args)
+        experts = gpu_check.MOE[0] in args
+        run = Path(args[args.index("--output_dir") + 1])
+        run.mkdir(parents=True)
+        save_file({"w": torch.full((2,), 2.0 if experts else 1.0)}, str(run / "model.safetensors"))
+        (run / "summary.json").write_text(json.dumps({"val_loss": 2.0 if experts else 1.0}))
+        return 0, "", 0.1
+
+    monkeypatch.setattr(gpu_check, "launch", launch)
+    results: dict[str, Any] = {"checks": {}}
+    names = ["plain fp32", "experts fp32 (grouped GEMM)", "experts, bf16 autocast"]
+    gpu_check.checks(tmp_path, results, lambda: None, names)
+    assert all(results["checks"][n]["ok"] for n in names), results["checks"]
+    cpu = [a for a in launched if a[a.index("--device") + 1] == "cpu"]
+    assert [gpu_check.MOE[0] in a for a in cpu] == [False, True]  # one reference each
+
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
