@@ -140,9 +140,8 @@ def test_experts_split_by_sequence_are_one_line() -> None:
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"ep": 2, "strategy": "zero"}, "--ep 2 runs under --strategy ddp or fsdp over the "
-                                    "data-parallel ranks alone"),
-    ({"ep": 2, "tp": 2, "strategy": "fsdp"}, "drop --ep, or --tp, --pp, --dp_replicate"),
+    ({"ep": 2, "strategy": "zero"}, "--ep 2 runs under --strategy ddp or fsdp (with --tp"),
+    ({"ep": 2, "pp": 2, "strategy": "fsdp"}, "drop --ep, or --pp, --dp_replicate and zero"),
     ({"ep": 2, "checkpoint_format": "file"}, "use --checkpoint_format dcp (or auto)"),
 ])
 def test_expert_parallelism_that_does_not_combine_is_one_line(
@@ -236,23 +235,26 @@ def test_experts_over_part_of_the_ranks_or_split_by_tp_train_as_ddp(
 ) -> None:
     """4 ranks as 2 expert groups of 2 (`dp_mod_ep 2 x ep 2`): `--ep 2` under ddp (the
     groups' expert gradients all-reduced once a window) and under fsdp (each expert's
-    shard further split over the 2 ranks that hold it, the rest over all 4), and fsdp x
-    `--tp 2` (each expert's hidden width split over the tp ranks) end within 1e-5 of ddp
-    (SGD with momentum, clipping, 2-step accumulation), the rows counting the same
-    tokens per expert. The ep fsdp run's DCP step of the first epoch resumes on 2 ranks
+    shard further split over the 2 ranks that hold it, the rest over all 4), fsdp x
+    `--tp 2` (each expert's hidden width split over the tp ranks) and fsdp x `--tp 2` x
+    `--ep 2` (the experts whole on the 2 data-parallel ranks of each tp index) end within
+    1e-5 of ddp (SGD with momentum, clipping, 2-step accumulation), the rows counting
+    the same tokens per expert. The ep fsdp run's DCP step of the first epoch resumes on 2 ranks
     as fsdp with `--ep 2` (one group: no expert sharding) and ends as it does."""
     from dist_utils import run_ranks
     from nd_workers import fit_runs
 
     run = dict(GPT, epochs=2, grad_accum_steps=2, batch_size=8, synthetic_size=128,
                checkpoint_format="dcp", moe_aux_weight=0.0)
-    ddp, ep, fsdp, tp = run_ranks(fit_runs, 4, tmp_path, [
+    ddp, ep, fsdp, tp, eptp = run_ranks(fit_runs, 4, tmp_path, [
         dict(run, output_dir=str(tmp_path / "ddp")),
         dict(run, output_dir=str(tmp_path / "ep"), ep=2),
         dict(run, output_dir=str(tmp_path / "fsdp"), ep=2, strategy="fsdp"),
         dict(run, output_dir=str(tmp_path / "tp"), tp=2, strategy="fsdp", batch_size=16),
+        dict(run, output_dir=str(tmp_path / "eptp"), tp=2, ep=2, strategy="fsdp",
+             batch_size=16),
     ])[0]
-    for name, got in (("ep", ep), ("fsdp", fsdp), ("tp", tp)):
+    for name, got in (("ep", ep), ("fsdp", fsdp), ("tp", tp), ("eptp", eptp)):
         assert got["weights"].keys() == ddp["weights"].keys()
         for key, value in ddp["weights"].items():
             torch.testing.assert_close(got["weights"][key], value, rtol=0, atol=1e-5,

@@ -357,6 +357,9 @@ def test_a_state_with_the_earlier_fused_rows_loads_head_by_head() -> None:
     # fsdp shards the experts over their group, then over the groups: 1/8 of everything
     (["--world_size", "8", "--experts", "6B", "--ep", "2", "--strategy", "fsdp"],
      "fsdp on 8 rank(s)", "= 13.0 GiB per rank"),
+    # the same under --tp 2: the rest 1/8 a rank, the experts 1/4 (the tp ranks alike)
+    (["--world_size", "8", "--experts", "6B", "--ep", "2", "--tp", "2", "--strategy", "fsdp"],
+     "fsdp; dp_shard 4 x tp 2 on 8 rank(s)", "= 24.2 GiB per rank"),
 ])
 def test_doctor_prints_the_layouts_bytes_per_rank(
     flags: list[str], layout: str, per_rank: str, capsys: pytest.CaptureFixture[str],
@@ -381,7 +384,9 @@ def test_doctor_prints_the_layouts_bytes_per_rank(
      "world size 8 is not dp_replicate 1 x data-parallel shards x tp 3 x pp 1"),
     (["--dp_replicate", "2", "--world_size", "4"], "--dp_replicate 2 is HSDP"),
     (["--tp", "0", "--world_size", "4"], "--tp 0 is invalid: use a positive number of ranks"),
-    (["--ep", "3", "--world_size", "4"], "--ep 3 does not divide the job's 4 ranks"),
+    (["--ep", "3", "--world_size", "4"], "--ep 3 does not divide the job's 4 data-parallel"),
+    (["--ep", "2", "--tp", "2", "--world_size", "2", "--strategy", "fsdp"],
+     "--ep 2 does not divide the job's 1 data-parallel"),
     (["--ep", "2", "--world_size", "2", "--strategy", "zero"],
      "--ep 2 runs under --strategy ddp or fsdp"),
     (["--experts", "8B", "--world_size", "2"], "--experts 8B is more than --parameters 7B"),

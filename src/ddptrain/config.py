@@ -495,11 +495,10 @@ class TrainingConfig:
             _bad("pp_split", self.pp_split, "give package.module:fn, fn(model, stage, stages)")
         self._at_least(1, "use a whole number of at least 1", "pp_microbatches")
         self._at_least(1, "use a whole number of at least 1 (1: off)", "ep")
-        others = max(self.tp, self.pp, self.dp_replicate)
+        others = max(self.pp, self.dp_replicate)
         if self.ep > 1 and (self.strategy == "zero" or others > 1):
-            raise ConfigError(f"--ep {self.ep} runs under --strategy ddp or fsdp over the "
-                              "data-parallel ranks alone: drop --ep, or --tp, --pp, "
-                              "--dp_replicate and zero")
+            raise ConfigError(f"--ep {self.ep} runs under --strategy ddp or fsdp (with --tp "
+                              "or not): drop --ep, or --pp, --dp_replicate and zero")
 
     def _check_precision(self) -> None:
         pass  # each field is a choice argparse and the dataclass's types already hold to

@@ -306,11 +306,12 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
     world_size = args.world_size or world_size
     config = TrainingConfig(strategy=args.strategy, optimizer=args.optimizer, tp=args.tp,
                             pp=args.pp, dp_replicate=args.dp_replicate, ep=args.ep).validate()
-    if world_size % args.ep:
-        raise ConfigError(f"--ep {args.ep} does not divide the job's {world_size} ranks: an "
-                          f"expert group is {args.ep} of them; give --world_size a multiple "
-                          f"of {args.ep}")
     choice = resolve_strategy(config, world_size, device)  # a layout that does not fit: one line
+    data = choice.layout.data_parallel if choice.layout else world_size
+    if data % args.ep:
+        raise ConfigError(f"--ep {args.ep} does not divide the job's {data} data-parallel "
+                          f"ranks: an expert group is {args.ep} of them; give --world_size "
+                          "so that it does")
     if args.parameters is None:
         return f"strategy   {choice.label} (give --parameters 125M for the bytes per rank)"
     count = _count("parameters", args.parameters)
@@ -319,8 +320,10 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
         raise ConfigError(f"--experts {args.experts} is more than --parameters "
                           f"{args.parameters}: give the experts' share of the model")
     # ddp: each rank holds the rest whole and 1/ep of the experts (`--ep`); fsdp shards
-    # both over every rank (the experts over their group, then over the groups)
-    held = count if config.strategy == "fsdp" else count - experts + experts // args.ep
+    # both over every rank (the experts over their group, then over the groups), but
+    # under --tp the tp ranks of a group hold the same experts
+    held = (count + (experts * (args.tp - 1) if args.ep > 1 else 0)
+            if config.strategy == "fsdp" else count - experts + experts // args.ep)
     figures = choice.rank_bytes(held, optimizer_slots(config))
     spread = (f" ({experts:,} in experts, spread over {args.ep} ranks)" if experts and
               args.ep > 1 else f" ({experts:,} in experts)" if experts else "")

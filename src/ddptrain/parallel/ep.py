@@ -31,6 +31,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
+from ddptrain.parallel.mesh import tp_mesh
 
 DIMS = ("dp_mod_ep", "ep")
 
@@ -43,7 +44,8 @@ def expert_layers(module: nn.Module) -> list[nn.Module]:
 
 def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> DeviceMesh:
     """Spread `module`'s experts over `ep` ranks, in place (see the module's docstring);
-    returns the 2-D mesh (`DIMS`) of the data-parallel ranks the experts live on."""
+    returns the mesh of the data-parallel ranks the experts live on (`DIMS`, then `tp`
+    under tensor parallelism: the tp ranks of a group hold the same experts)."""
     if ctx.data_world % ep:
         raise ConfigError(f"--ep {ep} does not divide the {ctx.data_world} data-parallel "
                           f"ranks: an expert group is {ep} of them; choose --ep among the "
@@ -52,7 +54,13 @@ def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> Devi
     if not named:
         raise ConfigError(f"--ep {ep} needs a mixture of experts: --model gpt --model_args "
                           "experts=E top_k=K")
-    mesh = init_device_mesh(ctx.device.type, (ctx.data_world // ep, ep), mesh_dim_names=DIMS)
+    # under --tp each tp rank of a group holds the same experts and sees the same tokens
+    tp = tp_mesh(ctx)
+    shape: tuple[int, ...] = (ctx.data_world // ep, ep)
+    names: tuple[str, ...] = DIMS
+    if tp is not None:
+        shape, names = (*shape, tp.size()), (*DIMS, "tp")
+    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
     # torch advises, on every rank, to flatten the mesh when a 2-D DTensor is made whole
     # in two collectives: here a gradient norm (a scalar) and an export's gather, both
     # as they must be

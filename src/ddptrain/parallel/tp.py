@@ -95,13 +95,15 @@ def tensor_parallel(module: nn.Module, config: TrainingConfig, ctx: DistributedC
     mesh = tp_mesh(ctx)
     assert mesh is not None, "tensor parallelism runs on a mesh with a tp dimension"
     plan = tensor_parallel_plan(module, config)
-    if config.sequence_parallel:
-        if plan is not parallelize_gpt:
-            raise ConfigError(
-                f"--sequence_parallel is the built-in GPT's, and this model is a "
-                f"{type(module).__name__}: drop the flag"
-            )
-        plan = functools.partial(parallelize_gpt, sequence_parallel=True)
+    if config.sequence_parallel and plan is not parallelize_gpt:
+        raise ConfigError(
+            f"--sequence_parallel is the built-in GPT's, and this model is a "
+            f"{type(module).__name__}: drop the flag"
+        )
+    if plan is parallelize_gpt:
+        # under --ep each expert stays whole on its ep rank, the same on every tp rank
+        plan = functools.partial(parallelize_gpt, sequence_parallel=config.sequence_parallel,
+                                 experts_by_tp=config.ep == 1)
     plan(module, mesh)
 
 
@@ -128,12 +130,14 @@ def tensor_parallel_plan(module: nn.Module, config: TrainingConfig) -> TPPlan:
     )
 
 
-def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False,
+                    experts_by_tp: bool = True) -> None:
     """The built-in GPT's plan (see the module's docstring). `sequence_parallel`: the norms
     and the residual stream between them are split by sequence over the tp ranks, each
     holding T / tp tokens; attention and the MLP all-gather their input's tokens and
     reduce-scatter their output (the traffic of the all-reduce they replace), and the
-    tied head gathers them back."""
+    tied head gathers them back. `experts_by_tp`: a mixture's experts split by hidden
+    width (`split_experts`); else left whole (`--ep` spreads them)."""
     tp = mesh.size()
     heads = int(model.config.n_head)  # type: ignore[union-attr, arg-type]
     block_size = int(model.config.block_size)  # type: ignore[union-attr, arg-type]
@@ -149,7 +153,8 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool 
             "attn.c_proj": RowwiseParallel(output_layouts=out),
         }
         if hasattr(block.mlp, "expert_weights"):
-            split_experts(block.mlp, mesh, sequence_parallel)
+            if experts_by_tp:
+                split_experts(block.mlp, mesh, sequence_parallel)
         else:
             plan.update({"mlp.c_fc": ColwiseParallel(),
                          "mlp.c_proj": RowwiseParallel(output_layouts=out)})
