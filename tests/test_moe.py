@@ -114,6 +114,7 @@ def test_a_resumed_run_goes_on_bit_for_bit(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("fields", "message"), [
     ({"pp": 2}, "--model gpt with experts under --pp is not supported yet"),
+    ({"tp": 2, "sequence_parallel": True}, "--sequence_parallel with the built-in GPT's experts"),
     ({"model_args": {"experts": 1}}, "a mixture needs at least 2 experts"),
     ({"model_args": {"experts": 4, "top_k": 5}}, "1 <= top_k <= experts"),
     ({"model_args": {"expert": 4}}, "--model gpt takes no --model_args but experts, top_k"),
@@ -130,13 +131,6 @@ def test_what_does_not_combine_is_one_line(
     with pytest.raises(ConfigError) as caught:
         create_model(config, data, data.facts.vocab_size or 10, torch.device("meta"))
     assert message in str(caught.value)
-
-
-def test_experts_split_by_sequence_are_one_line() -> None:
-    from ddptrain.parallel.tp import split_experts
-
-    with pytest.raises(ConfigError, match="--sequence_parallel with the built-in GPT's experts"):
-        split_experts(MoE(width=8, hidden=16, experts=4, top_k=2), None, True)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -128,6 +128,9 @@ def _builtin(name: str, config: TrainingConfig, data: DataBundle, outputs: int) 
         if moe and config.pp > 1:
             raise ConfigError("--model gpt with experts under --pp is not supported yet: "
                               "train a mixture of experts under ddp, zero, fsdp or --tp")
+        if moe and config.sequence_parallel:
+            raise ConfigError("--sequence_parallel with the built-in GPT's experts is not "
+                              "supported: drop --sequence_parallel (--tp still splits them)")
         try:
             return build_gpt(outputs, shape[0], config.width, **{
                 k: int(v) for k, v in moe.items()})

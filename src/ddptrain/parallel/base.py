@@ -276,7 +276,6 @@ def clip_by_layout(groups: list[list[nn.Parameter]], max_norm: float,
     return total
 
 
-
 def named_optimizer_state(optim: State, module: nn.Module) -> State:
     """An optimizer state keyed by parameter names. A torch `Optimizer.state_dict()`
     (integer ids, the order the optimizer was built in: the trainable parameters) is

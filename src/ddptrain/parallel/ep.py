@@ -36,10 +36,10 @@ from ddptrain.parallel.mesh import tp_mesh
 DIMS = ("dp_mod_ep", "ep")
 
 
-def expert_layers(module: nn.Module) -> list[nn.Module]:
-    """The layers of `module` that spread their experts: those naming their batched
-    weights (`models.moe.MoE.expert_weights`)."""
-    return [m for m in module.modules() if hasattr(m, "expert_weights")]
+def expert_layers(module: nn.Module) -> list[tuple[str, Any]]:
+    """The layers of `module` that spread their experts, by name: those naming their
+    batched weights (`models.moe.MoE.expert_weights`)."""
+    return [(n, m) for n, m in module.named_modules() if hasattr(m, "expert_weights")]
 
 
 def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> DeviceMesh:
@@ -50,7 +50,7 @@ def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> Devi
         raise ConfigError(f"--ep {ep} does not divide the {ctx.data_world} data-parallel "
                           f"ranks: an expert group is {ep} of them; choose --ep among the "
                           f"divisors of {ctx.data_world}")
-    named = [(n, m) for n, m in module.named_modules() if hasattr(m, "expert_weights")]
+    named = expert_layers(module)
     if not named:
         raise ConfigError(f"--ep {ep} needs a mixture of experts: --model gpt --model_args "
                           "experts=E top_k=K")
@@ -86,5 +86,4 @@ def _two_step_gathers(record: logging.LogRecord) -> bool:
 def expert_params(module: nn.Module) -> dict[str, Any]:
     """The experts' batched weights spread by `expert_parallel`, by name."""
     return {f"{name}.{leaf}" if name else leaf: getattr(layer, leaf)
-            for name, layer in module.named_modules() if hasattr(layer, "expert_weights")
-            for leaf in layer.expert_weights}
+            for name, layer in expert_layers(module) for leaf in layer.expert_weights}

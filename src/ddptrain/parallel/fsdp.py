@@ -136,7 +136,7 @@ class FSDP(Strategy):
         expert's gradient arrives summed over its group's tokens; the reduce-scatter
         sums it over `dp_mod_ep` and divides by every data-parallel rank."""
         mesh = expert_parallel(module, self.ctx, self.config.ep)
-        for layer in expert_layers(module):
+        for _, layer in expert_layers(module):
             for child in layer.children():
                 if count_parameters(child):
                     fully_shard(child, **kwargs)

@@ -154,7 +154,7 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool 
         }
         if hasattr(block.mlp, "expert_weights"):
             if experts_by_tp:
-                split_experts(block.mlp, mesh, sequence_parallel)
+                split_experts(block.mlp, mesh)
         else:
             plan.update({"mlp.c_fc": ColwiseParallel(),
                          "mlp.c_proj": RowwiseParallel(output_layouts=out)})
@@ -172,15 +172,12 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool 
         model.register_forward_pre_hook(_EvenTokens(tp))
 
 
-def split_experts(layer: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def split_experts(layer: nn.Module, mesh: DeviceMesh) -> None:
     """A mixture's experts split Megatron-style over the tp ranks (`models.moe.MoE`): each
     rank holds a slice of every expert's hidden width (the widening weights and biases by
     columns, the narrowing weights by rows) and the layer sums the partial products over
     the ranks, one all-reduce forward and one backward; the router and the output biases
     stay whole on every rank."""
-    if sequence_parallel:
-        raise ConfigError("--sequence_parallel with the built-in GPT's experts is not "
-                          "supported: drop --sequence_parallel (--tp still splits them)")
     hidden = layer.get_parameter("w_in").size(2)
     if hidden % mesh.size():
         raise ConfigError(f"--tp {mesh.size()} does not divide the experts' hidden width "
