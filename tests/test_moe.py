@@ -72,6 +72,18 @@ def test_the_layer_is_the_dense_sum_of_each_tokens_chosen_experts(
     assert (moe.w_in.grad[used].abs().sum((1, 2)) > 0).all()
 
 
+def _as_ddp(runs: Path, ddp: dict[str, Any], others: dict[str, dict[str, Any]]) -> None:
+    """Each of `others` (`fit_runs` results, their run directories under `runs` by name)
+    ended within 1e-5 of `ddp`'s weights, its rows counting the same tokens per expert."""
+    for name, got in others.items():
+        assert got["weights"].keys() == ddp["weights"].keys()
+        for key, value in ddp["weights"].items():
+            torch.testing.assert_close(got["weights"][key], value, rtol=0, atol=1e-5,
+                                       msg=f"{name} {key}")
+        assert [r["expert_tokens"] for r in _rows(runs / name)] == [
+            r["expert_tokens"] for r in _rows(runs / "ddp")]
+
+
 def _rows(run: Path) -> list[dict[str, Any]]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r.get("split") == "train" and "expert_tokens" in r]
@@ -212,13 +224,7 @@ def test_experts_spread_over_two_ranks_train_as_ddp_and_resume_on_one(tmp_path: 
         dict(run, output_dir=str(tmp_path / "fsdp"), ep=2, strategy="fsdp"),
         dict(run, output_dir=str(tmp_path / "tp"), tp=2, batch_size=16),
     ])[0]
-    for name, got in zip(("ep", "fsdp", "tp"), [ep, *others], strict=True):
-        assert got["weights"].keys() == ddp["weights"].keys()
-        for key, value in ddp["weights"].items():
-            torch.testing.assert_close(got["weights"][key], value, rtol=0, atol=1e-5,
-                                       msg=f"{name} {key}")
-        assert [r["expert_tokens"] for r in _rows(tmp_path / name)] == [
-            r["expert_tokens"] for r in _rows(tmp_path / "ddp")]
+    _as_ddp(tmp_path, ddp, dict(zip(("ep", "fsdp", "tp"), [ep, *others], strict=True)))
     exported = load_file(str(tmp_path / "ep" / "model.safetensors"))
     assert exported["blocks.0.mlp.w_in"].shape == (4, 32, 128)
     torch.testing.assert_close(exported["blocks.0.mlp.w_in"], ep["weights"]["blocks.0.mlp.w_in"],
@@ -255,13 +261,7 @@ def test_experts_over_part_of_the_ranks_or_split_by_tp_train_as_ddp(
         dict(run, output_dir=str(tmp_path / "eptp"), tp=2, ep=2, strategy="fsdp",
              batch_size=16),
     ])[0]
-    for name, got in (("ep", ep), ("fsdp", fsdp), ("eptp", eptp)):
-        assert got["weights"].keys() == ddp["weights"].keys()
-        for key, value in ddp["weights"].items():
-            torch.testing.assert_close(got["weights"][key], value, rtol=0, atol=1e-5,
-                                       msg=f"{name} {key}")
-        assert [r["expert_tokens"] for r in _rows(tmp_path / name)] == [
-            r["expert_tokens"] for r in _rows(tmp_path / "ddp")]
+    _as_ddp(tmp_path, ddp, {"ep": ep, "fsdp": fsdp, "eptp": eptp})
 
 
 @pytest.mark.slow
