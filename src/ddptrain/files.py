@@ -8,11 +8,19 @@ directory. A crash leaves the old file or the new one, never a torn one. A user'
 (`predict`, `evaluate`, `export`, `plot`) is checked first (`check_output`) and linked into
 place without replacing a file (`publish`); devices and FIFOs are never read as weights
 (`refuse_special`); a directory's files can carry their checksums (`SUMS_FILE`).
+
+Nothing is written through a link: a temporary file is created new (`O_EXCL`, `O_NOFOLLOW`),
+a file renamed over a link replaces the link, and a directory ddptrain names inside a run
+directory (`hang/`, `oom/`, `hf/`, a checkpoint's step) is a real directory, each level
+checked (`own_dir`), never a link planted to send the write elsewhere. Which names a run
+may write, and so which an earlier owner of the directory must not hold, is
+`launch.rundir.RUN_NAMES`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -21,7 +29,7 @@ import stat
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TextIO
 
 from ddptrain.errors import ConfigError
 
@@ -42,12 +50,62 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class LinkRefused(ConfigError, OSError):
+    """A name ddptrain writes is a symlink, or not what it should be: nothing was written
+    through it. An `OSError` too, so that a failure path that gives up on an unwritable
+    record gives up on this one the same way."""
+
+
+def own_dir(directory: Path, under: Path | None = None) -> Path:
+    """`directory`, created where missing, each level below `under` (the run directory the
+    user named, itself trusted) a real directory: a symlink or a file planted there is
+    refused, its target untouched. Without `under`, `directory` alone is made."""
+    if under is None:
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
+    under.mkdir(parents=True, exist_ok=True)
+    here = under
+    for part in directory.relative_to(under).parts:
+        here = here / part
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(here)
+        mode = os.lstat(here).st_mode
+        if stat.S_ISLNK(mode) or not stat.S_ISDIR(mode):
+            raise LinkRefused(
+                f"{str(here)!r} is a symlink or not a directory: ddptrain writes nothing "
+                "through it; remove it (ddptrain makes its own), or use another directory"
+            )
+    return directory
+
+
+def refuse_link(path: Path) -> Path:
+    """`path`, a folder another library will write (TensorBoard's, the profiler's, MLflow's
+    or W&B's in a run directory), if it is a real folder or not there yet: a link or a file
+    planted at its name is refused."""
+    if os.path.islink(path) or (os.path.lexists(path) and not path.is_dir()):
+        raise LinkRefused(
+            f"{str(path)!r} is a symlink or not a directory: ddptrain writes nothing through "
+            "it; remove it (ddptrain makes its own), or use another directory"
+        )
+    return path
+
+
+def create_new(path: Path, mode: int = 0o644) -> int:
+    """A file descriptor of a file created here and now, for writing: never one that
+    existed, never a link's target (`O_EXCL` refuses any name that exists, links too)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.open(path, flags, mode)
+
+
 @contextlib.contextmanager
-def staged(path: Path, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary path to write; on success it is fsynced and moved to `path`
-    (`publish`)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def staged(path: Path, overwrite: bool = True, under: Path | None = None) -> Iterator[Path]:
+    """Yield a temporary path to write, created new beside `path` (a stale temporary or a
+    link at its name removed first, never followed); on success it is fsynced and moved to
+    `path` (`publish`). `under`: `path`'s folders below it must be real ones (`own_dir`)."""
+    own_dir(path.parent, under)
     tmp = temp_name(path)
+    tmp.unlink(missing_ok=True)  # a link removed is a link not followed
+    os.close(create_new(tmp))
     try:
         yield tmp
         with tmp.open("rb+") as f:
@@ -57,22 +115,35 @@ def staged(path: Path, overwrite: bool = True) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def remove(path: Path) -> None:
+    """Remove `path`: a link or a file unlinked (a link's target untouched), a directory
+    with what it holds (`rmtree` follows no link inside)."""
+    if os.path.islink(path) or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)
+
+
 @contextlib.contextmanager
-def staged_dir(out: Path) -> Iterator[Path]:
+def staged_dir(out: Path, under: Path | None = None) -> Iterator[Path]:
     """Yield an empty directory beside `out` to write; on success it replaces `out`
     (the old one removed, the new one renamed into place: a crash while it is written
-    leaves the old one whole)."""
+    leaves the old one whole). A link at either name is removed, never followed."""
+    own_dir(out.parent, under)
     partial = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    if os.path.lexists(partial):
+        remove(partial)
+    os.mkdir(partial)
     try:
         yield partial
-        if out.exists():
-            shutil.rmtree(out)
+        if os.path.lexists(out):
+            remove(out)
         os.replace(partial, out)
         fsync_dir(out.parent)
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        if os.path.lexists(partial):
+            with contextlib.suppress(OSError):
+                remove(partial)
 
 
 def publish(tmp: Path, path: Path, overwrite: bool = True) -> None:
@@ -148,14 +219,42 @@ def live_holder(run_dir: Path) -> str | None:
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], object],
-                 overwrite: bool = True) -> None:
+                 overwrite: bool = True, under: Path | None = None) -> None:
     """Call `write(file)` on a temporary file and move the result to `path` atomically."""
-    with staged(path, overwrite) as tmp, tmp.open("wb") as f:
+    with staged(path, overwrite, under) as tmp, tmp.open("wb") as f:
         write(f)
 
 
-def atomic_write_text(path: Path, text: str, overwrite: bool = True) -> None:
-    atomic_write(path, lambda f: f.write(text.encode()), overwrite)
+def atomic_write_text(path: Path, text: str, overwrite: bool = True,
+                      under: Path | None = None) -> None:
+    atomic_write(path, lambda f: f.write(text.encode()), overwrite, under)
+
+
+def open_append(path: Path) -> TextIO:
+    """`path` opened to append, created if missing: the file itself, never a link's
+    target (a link at `path` is refused)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise LinkRefused(f"{str(path)!r} is a symlink: ddptrain writes nothing through "
+                              "it; remove it") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise LinkRefused(f"{str(path)!r} is not a regular file: remove it")
+    return os.fdopen(fd, "a")
+
+
+def read_regular(path: Path, limit: int = 1 << 20) -> str:
+    """The text of `path` if it is a regular file (never a link's target, a device or a
+    FIFO), at most `limit` bytes; `OSError` otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return f.read(limit).decode(errors="replace")
 
 
 # ---------------------------------------------------------------------- checked files
@@ -192,25 +291,44 @@ def files_damage(directory: Path, expected: dict[str, list[int]], names: list[st
     return None
 
 
-def write_sums(directory: Path, names: list[str]) -> None:
-    """Record the checksums of `directory`'s files `names` in its `SUMS_FILE`."""
+def summed_names(directory: Path) -> list[str]:
+    """The names in `directory` its `SUMS_FILE` must list: every one a loader may read
+    (weights, their index, configs, tokenizer files, code), all but hidden names and
+    Markdown."""
+    return sorted(n for n in os.listdir(directory)
+                  if n != SUMS_FILE and not n.startswith(".") and not n.endswith(".md"))
+
+
+def write_sums(directory: Path, names: list[str] | None = None) -> None:
+    """Record the checksums of `directory`'s files `names` (None: `summed_names`, as
+    `sums_damage` expects) in its `SUMS_FILE`."""
+    names = summed_names(directory) if names is None else names
     sums = {name: file_crc(directory / name) for name in sorted(names)}
     atomic_write_text(directory / SUMS_FILE, json.dumps(sums, indent=1) + "\n")
 
 
-def sums_damage(directory: Path, share: tuple[int, int] = (0, 1)) -> str | None:
+def sums_damage(directory: Path, share: tuple[int, int] = (0, 1),
+                weights: bool = True) -> str | None:
     """What is wrong with `directory`'s files against its `SUMS_FILE`, or None (also for a
-    directory without one: another tool wrote it). `share` (rank, ranks): only every
-    ranks-th file from the rank-th, sorted by name (the ranks split the reading)."""
+    directory without one: another tool wrote it). A name it does not list that a loader
+    may read (`summed_names`: a weight file or index added, a config) is damage too.
+    `share` (rank, ranks): only every ranks-th file from the rank-th, sorted by name (the
+    ranks split the reading); `weights` False: only the files other than `*.safetensors`
+    (small: what a model built on the meta device reads before its weights are checked)."""
     path = directory / SUMS_FILE
     if not path.is_file():
         return None
     try:
         expected = json.loads(path.read_text())
+        added = [n for n in summed_names(directory) if n not in expected]
+        if added:
+            return (f"{added[0]} is not among the files its {SUMS_FILE} lists (added after "
+                    "the export)")
         # Checked once per process while the files stay as they are (a model built on
         # the meta device and then filled, `--init_from` reading shapes and then weights).
-        mine = sorted(expected)[share[0]::share[1]]
-        key = (share, *((n, *_stamp(directory / n)) for n in [SUMS_FILE, *mine]))
+        listed = sorted(n for n in expected if weights or not n.endswith(".safetensors"))
+        mine = listed[share[0]::share[1]]
+        key = (share, weights, *((n, *_stamp(directory / n)) for n in [SUMS_FILE, *mine]))
         if key not in _whole:
             damage = files_damage(directory, expected, mine)
             if damage is not None:

@@ -136,6 +136,9 @@ _warned_copies: list[bool] = []
 
 
 def link_or_copy(source: Path, target: Path) -> None:
+    """`target` another name of `source` (a copy where links are refused); `target` is a
+    temporary name of the caller's, replaced whatever it holds (a link there not followed)."""
+    target.unlink(missing_ok=True)
     try:
         os.link(source, target)
         return

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +41,7 @@ from ddptrain.checkpoint.dcp import (
 from ddptrain.checkpoint.pt import LATEST, list_checkpoints, save_checkpoint
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
-from ddptrain.files import atomic_write_text, staged
+from ddptrain.files import atomic_write_text, remove, staged
 
 if TYPE_CHECKING:
     from ddptrain.parallel import Strategy
@@ -115,10 +114,7 @@ def discard_from(directory: Path, step: int, kept: Path) -> None:
     spike is in them); `latest` names `kept` again. `best` stays what it was."""
     for path in (*list_checkpoints(directory), *list_step_dirs(directory, whole=False)):
         if _step_of(path) >= step:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+            remove(path)
     if kept.is_dir():
         atomic_write_text(directory / LATEST_DIR, kept.name + "\n")
         return

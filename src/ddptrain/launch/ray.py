@@ -33,7 +33,7 @@ from typing import Any
 from ddptrain.config import TrainingConfig
 from ddptrain.config_cli import ErrorParser, parse_config
 from ddptrain.errors import EXIT_PEER_LOST, EXIT_WORKER_LOST, ConfigError, TrainingStopped
-from ddptrain.files import atomic_write_text
+from ddptrain.files import atomic_write_text, open_append
 from ddptrain.launch.rundir import new_run_id, refuse_occupied, resolve_layout
 from ddptrain.observe.hooks import Hook
 
@@ -279,7 +279,7 @@ class _MarkStarted(Hook):
     def on_fit_start(self, trainer: Any) -> None:
         if trainer.ctx.is_main:
             self.marker.parent.mkdir(parents=True, exist_ok=True)
-            with self.marker.open("a") as f:
+            with open_append(self.marker) as f:  # the file itself, never a link's target
                 f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} step {trainer.progress.step}\n")
 
 

@@ -40,9 +40,18 @@ from ddptrain.config_values import names_code
 from ddptrain.errors import ConfigError
 from ddptrain.files import LOCK_NAME
 
-# What makes a directory a run's: any of these written by an earlier run.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "model.safetensors")
 JOB_FILE = ".job"  # the torchrun job (rendezvous id) that last trained in a directory
+# Every name a run may write in its directory (besides its hidden lock, job and temporary
+# files). A directory that holds none of ddptrain's runs (no `config.yaml` with a run id, no
+# step checkpoint) but holds one of these holds someone else's file: a run there is refused
+# before anything is written, so no user's file is replaced and no planted link followed.
+RUN_NAMES = (
+    "config.yaml", "metrics.jsonl", "summary.json", "finished.json", "model.safetensors",
+    "model_raw.safetensors", "model_ema.safetensors", "hf", "adapter", "curves.png",
+    "rollbacks.json", "hang", "oom", "profile", "tensorboard", "mlruns", "wandb", "checkpoints",
+)
+# ...and in its checkpoint directory, beside the `step_*` checkpoints that make it a run's.
+CHECKPOINT_NAMES = ("latest.pt", "best.pt", "latest", "best")
 
 
 def restarted(run_dir: Path | None = None) -> bool:
@@ -126,9 +135,28 @@ def new_run_id() -> str:
 
 
 def holds_a_run(directory: Path, ckpt_dir: Path) -> bool:
-    if any((directory / name).exists() for name in RUN_FILES):
+    """Whether an earlier run of ddptrain wrote here: its `config.yaml` names a run id, or
+    its checkpoint directory holds a step checkpoint."""
+    if saved_run_id(directory) is not None:
         return True
     return ckpt_dir.is_dir() and any(ckpt_dir.glob("step_*"))
+
+
+def foreign_names(directory: Path, ckpt_dir: Path) -> list[str]:
+    """The names a run would write that someone else's files (or links) already hold, in a
+    directory that holds no run of ddptrain's. An empty real `checkpoints/` is a start's
+    own that stopped before its first checkpoint."""
+    taken = [str(directory / n) for n in RUN_NAMES if os.path.lexists(directory / n)
+             and not (directory / n == ckpt_dir and _empty_dir(ckpt_dir))]
+    return taken + [str(ckpt_dir / n) for n in CHECKPOINT_NAMES
+                    if os.path.lexists(ckpt_dir / n)]
+
+
+def _empty_dir(path: Path) -> bool:
+    try:
+        return not path.is_symlink() and path.is_dir() and not os.listdir(path)
+    except OSError:
+        return False
 
 
 def saved_run_id(directory: Path) -> str | None:
@@ -141,13 +169,23 @@ def saved_run_id(directory: Path) -> str | None:
 
 
 def refuse_occupied(config: TrainingConfig) -> None:
-    """A fresh run (no --resume_from) never writes into another run's directory."""
-    if config.resume_from is not None or not holds_a_run(config.run_dir, config.ckpt_dir):
+    """A fresh run (no --resume_from) never writes into another run's directory, and no
+    run writes over files that are not a run's (`foreign_names`)."""
+    if holds_a_run(config.run_dir, config.ckpt_dir):
+        if config.resume_from is None:
+            raise ConfigError(
+                f"--output_dir {str(config.run_dir)!r} already holds a run: continue it with "
+                "--resume_from auto, or give a new --output_dir (nothing there was touched)"
+            )
         return
-    raise ConfigError(
-        f"--output_dir {str(config.run_dir)!r} already holds a run: continue it with "
-        "--resume_from auto, or give a new --output_dir (nothing there was touched)"
-    )
+    taken = foreign_names(config.run_dir, config.ckpt_dir)
+    if taken:
+        more = f" and {len(taken) - 1} more" if len(taken) > 1 else ""
+        raise ConfigError(
+            f"{taken[0]!r}{more} would be written by this run, but the directory holds no "
+            "run of ddptrain's (someone else's file, or a link): give a new --output_dir "
+            "(or --checkpoint_dir), or move them away (nothing there was touched)"
+        )
 
 
 class RunLock:
@@ -227,8 +265,7 @@ class RunClaim:
         if not self.main:
             return
         config = self.config
-        if config.resume_from is None:
-            refuse_occupied(config)
+        refuse_occupied(config)
         before: dict[Path, frozenset[str] | None] = {}
         for directory in (config.ckpt_dir, config.run_dir):
             with contextlib.suppress(OSError):  # unreadable: never given back

@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -175,8 +176,15 @@ def note_exit(code: int, *, cause: bool = False) -> None:
     elif code in STOPPED and noted is not None and noted[0] not in STOPPED and noted[1] >= round_:
         return
     # Ranks of several nodes may note at once: each writes its own file and renames it.
-    part = f"{path}.{socket.gethostname()}.{os.getpid()}"
+    # The file is created new under a name no one could plant a link at beforehand (the
+    # folder is often a shared temporary one); renamed over a link, it replaces the link.
+    folder, base = os.path.split(os.path.abspath(path))
     with contextlib.suppress(OSError):
-        with open(part, "w") as f:
-            f.write(f"{code} {round_}\n")
-        os.replace(part, path)
+        fd, part = tempfile.mkstemp(prefix=f".{base}.{socket.gethostname()}.", dir=folder)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{code} {round_}\n")
+            os.replace(part, path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(part)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ddptrain.errors import ConfigError
-from ddptrain.files import atomic_write_text
+from ddptrain.files import atomic_write_text, own_dir
 from ddptrain.parallel.memory import human_bytes
 
 SNAPSHOT_ENTRIES = 100_000  # allocations the history keeps (torchtitan's default)
@@ -67,14 +67,14 @@ def report(exc: BaseException, trainer: Any) -> OutOfMemory:
         body.append(torch.cuda.memory_summary(device))
         if cfg.memory_snapshot:
             snapshot = snapshot_file(cfg.run_dir, rank)
-            with contextlib.suppress(OSError):
-                folder.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):  # in oom/ of its own, a link at its name gone
+                own_dir(folder, under=cfg.run_dir)
+                snapshot.unlink(missing_ok=True)
                 torch.cuda.memory._dump_snapshot(str(snapshot))
                 body.append(f"allocation history: {snapshot} (https://pytorch.org/memory_viz)")
     path = folder / f"rank{rank}.txt"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, "\n".join(body) + "\n")
+    try:  # oom/ a real folder of the run's: never written through a link
+        atomic_write_text(path, "\n".join(body) + "\n", under=cfg.run_dir)
     except OSError:
         return OutOfMemory(line)
     return OutOfMemory(f"{line}; report: {path}")

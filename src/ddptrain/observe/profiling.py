@@ -14,6 +14,7 @@ import torch.profiler as tp
 
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
+from ddptrain.files import refuse_link
 from ddptrain.observe.hooks import Hook
 
 log = logging.getLogger("ddptrain")
@@ -36,7 +37,7 @@ class StepProfiler(Hook):
         if not (config.enable_profiling and ctx.is_main):
             return
         wait, warmup, active = profile_schedule(steps_per_epoch)
-        self.trace_dir = config.run_dir / "profile"
+        self.trace_dir = refuse_link(config.run_dir / "profile")
         activities = [tp.ProfilerActivity.CPU]
         if ctx.device.type == "cuda":
             activities.append(tp.ProfilerActivity.CUDA)

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddptrain.errors import ConfigError, Preempted
+from ddptrain.files import refuse_link
 from ddptrain.observe.hooks import Hook
 
 if TYPE_CHECKING:
@@ -111,7 +112,8 @@ def require_mlflow() -> None:
 
 def default_tracking_uri(run_dir: Path) -> str:
     """`MLFLOW_TRACKING_URI`, else a file store in the run directory."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or (Path(run_dir).resolve() / "mlruns").as_uri()
+    return os.environ.get("MLFLOW_TRACKING_URI") or (
+        refuse_link(Path(run_dir) / "mlruns").resolve().as_uri())
 
 
 def flatten_params(values: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -358,6 +360,7 @@ class WandbTracker(Hook):
             return
         import wandb
 
+        refuse_link(Path(trainer.config.run_dir) / "wandb")
         run_dir = Path(trainer.config.run_dir).resolve()
         # The ddptrain run's id (kept across resumes) is the W&B run's too.
         self.run_id = self.run_id or trainer.config.run_id or uuid.uuid4().hex[:12]

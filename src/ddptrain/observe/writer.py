@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ddptrain.errors import EXIT_IO, ConfigError, TrainingStopped
-from ddptrain.files import atomic_write_text
+from ddptrain.files import atomic_write_text, open_append, refuse_link
 from ddptrain.observe.hooks import Hook
 
 TENSORBOARD_HANDOVER_S = 20.0  # TensorBoard's own writer flushes every 120 s by default
@@ -74,7 +74,7 @@ class MetricsWriter(Hook):
                 if covered:
                     kept.append(line)
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
-        return self.path.open("a")
+        return open_append(self.path)
 
     def _open_tensorboard(self, keep_step: int | None) -> Any:
         if self.tensorboard_dir is None:
@@ -86,6 +86,7 @@ class MetricsWriter(Hook):
         # As with metrics.jsonl: a fresh start begins empty (old event files would be drawn
         # as the same run), and a resume hides the events logged after the checkpoint
         # (purge_step), so the curves continue without a doubled stretch.
+        refuse_link(self.tensorboard_dir)
         if keep_step is None and self.tensorboard_dir.is_dir():
             for old in self.tensorboard_dir.glob("events.out.tfevents.*"):
                 old.unlink(missing_ok=True)
