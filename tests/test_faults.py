@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import BIN, child_env, run_cli, run_torchrun, write_npz
+from conftest import child_env, run_cli, run_torchrun, write_npz
 from dist_utils import free_port, run_ranks
 from procs import (  # noqa: F401  (reap: an autouse fixture)
     assert_bitwise,
@@ -222,7 +222,9 @@ def test_a_stuck_rank_is_named_by_its_three_peers(
     20th training forward (user code that stalls), or rank 0 SIGSTOPs itself there. The
     3 others each end within the timeout with one line naming the stuck
     rank, the collective they waited in and its number; the lowest of them writes the
-    report, which says the same."""
+    report, which says the same. Under torchrun (ddptrain's agent, as launch.sh starts it)
+    the job ends with their code, 3, in the exit file too: the SIGKILL that torchrun sends
+    the stalled rank after them is no out-of-memory kill, and no line says it is."""
     run = tmp_path / "run"
     timeout_s = 6
     args = ["train", "--dataset", "breast_cancer", "--model", "guardplug:killable_mlp",
@@ -232,8 +234,10 @@ def test_a_stuck_rank_is_named_by_its_three_peers(
            **({"GUARD_STALL_S": "120"} if how == "stalls" else {"GUARD_SIGNAL": "SIGSTOP"})}
     others = [r for r in range(4) if r != stuck]
     if launch == "torchrun":
-        agent = popen([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=4", "-m",
-                       "ddptrain", *args], tmp_path, child_env(env))
+        exit_file = tmp_path / "exit"
+        agent = popen([sys.executable, "-m", "ddptrain.launch.torchrun", "--standalone",
+                       "--nproc_per_node=4", "-m", "ddptrain", *args], tmp_path,
+                      child_env({**env, "DDPTRAIN_EXIT_FILE": str(exit_file)}))
         try:
             err = agent.communicate(timeout=240)[1]
         finally:
@@ -243,7 +247,9 @@ def test_a_stuck_rank_is_named_by_its_three_peers(
                              if x.startswith(f"[rank {r}] ddptrain:" if r else "ddptrain:"))
                 for r in others}
         codes = dict.fromkeys(others, EXIT_PEER_LOST)
-        assert f"exitcode: {EXIT_PEER_LOST} " in err or f"exitcode  : {EXIT_PEER_LOST} " in err
+        assert agent.returncode == EXIT_PEER_LOST, err[-2000:]
+        assert exit_file.read_text() == f"{EXIT_PEER_LOST} 0\n"
+        assert "SIGKILL" not in err and "Traceback" not in err, err[-2000:]
     else:
         port, procs = free_port(), []
         for rank in range(4):

@@ -273,3 +273,47 @@ def test_a_stream_that_raises_in_a_worker_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == EXIT_USAGE, err[-3000:]
     assert len(err.splitlines()) == 1 and err.startswith("ddptrain: error: DataLoader worker ")
     assert "failed: ValueError: row 40 has a truncated record" in err
+
+
+def test_a_rank_torchrun_sigkilled_after_its_peers_lost_it_is_no_oom_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A rank stalls in its own code; its peers time out and exit 3 (lost peer); torchrun
+    SIGTERMs it, which it sleeps through, and SIGKILLs it 30 s later, a failure it sees
+    after theirs. That SIGKILL is the job's own: the job's code is 3, in the exit file
+    too, and no line calls it killed by the out-of-memory killer. A rank SIGKILLed before
+    its peers lost it (the out-of-memory killer) is still the cause: 137 and that line."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,
+        ProcessFailure,
+    )
+
+    from ddptrain.launch import torchrun as launcher
+
+    def failed(rank: int, code: int, at: int) -> ProcessFailure:
+        failure = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code,
+                                 error_file="<N/A>")
+        failure.timestamp = at  # when torchrun saw it end (whole seconds)
+        return failure
+
+    stall = {0: failed(0, EXIT_PEER_LOST, 1000), 1: failed(1, EXIT_PEER_LOST, 1000),
+             2: failed(2, -signal.SIGKILL, 1031), 3: failed(3, EXIT_PEER_LOST, 1001)}
+    oom = {0: failed(0, EXIT_PEER_LOST, 1003), 1: failed(1, -signal.SIGKILL, 1000)}
+    assert launcher.root_cause(stall, 0) == 0 and launcher.root_cause(oom, 0) == 1
+    path = tmp_path / "exit"
+    monkeypatch.setenv("DDPTRAIN_EXIT_FILE", str(path))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    for failures, code, said in ((stall, EXIT_PEER_LOST, ""), (oom, 137, (
+            "ddptrain: error: rank 1 (pid 101) was killed by SIGKILL (often the out-of-memory "
+            "killer); the job stopped its 1 other failed rank(s); restart the job with "
+            "--resume_from auto\n"))):
+        path.write_text(f"{EXIT_PEER_LOST} 0\n")  # what the peers that lost it noted
+
+        def run(args: Any, failures: dict[int, ProcessFailure] = failures) -> None:
+            raise ChildFailedError("ddptrain", failures)
+
+        monkeypatch.setattr(torchrun, "run", run)
+        assert launcher.main(["--nproc_per_node=4", "-m", "ddptrain", "train"]) == code
+        assert path.read_text() == f"{code} 0\n"
+        assert capsys.readouterr().err == said

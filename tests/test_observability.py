@@ -444,6 +444,85 @@ def test_a_hang_report_names_the_ranks_that_wrote_no_record(
     assert "2  -  -  -  -  no record" in (folder / "report.txt").read_text()
 
 
+def test_hang_files_of_another_shape_or_links_are_named_never_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A peer's record that is valid JSON of another shape (a list, a field missing, a
+    field of another type, another rank's), a link or a FIFO is left out of the report,
+    which names it and why; the rank still says its line. `ddptrain diagnose` prints the
+    report with those notes, and never reads nor prints a `report.txt` (or a `hang/`)
+    that is a link, or not a regular file: one line naming it, exit 2, no traceback."""
+    from ddptrain.observe.hang import culprit_line
+
+    folder = tmp_path / "hang"
+    folder.mkdir()
+    good = {"rank": 0, "world_size": 5, "host": "node1", "step": 5, "op": "all_reduce",
+            "group": "0", "seq": 12, "where": "mypkg/model.py:41 (forward)", "error": "timeout"}
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({**good, "rank": 3, "host": "SECRET"}))
+    (folder / "rank0.json").write_text(json.dumps(good))
+    (folder / "rank1.json").write_text("[1, 2]")
+    (folder / "rank2.json").write_text(json.dumps({**good, "rank": 2, "host": None}))
+    (folder / "rank3.json").symlink_to(secret)
+    (folder / "rank4.json").write_text(json.dumps({**good, "rank": 3}))
+    (folder / "stalled1.json").write_text(json.dumps({"rank": 1, "step": "19", "where": "x"}))
+    os.mkfifo(folder / "stalled2.json")  # read, it would block
+    line = culprit_line(tmp_path, 5, rank=0, wait_s=0)
+    assert line == (
+        "ranks 1, 2, 3, 4 did not reach all_reduce #12 of the default group (after step 5), "
+        "which rank 0 waited in at mypkg/model.py:41 (forward): they stopped, died or stayed "
+        f"in their own code; report: {folder / 'report.txt'}")
+    text = (folder / "report.txt").read_text()
+    skipped = [x for x in text.splitlines() if x.startswith("skipped ")]
+    assert skipped == [
+        f"skipped {folder / 'rank1.json'}: a list in JSON, not an object: not a record "
+        "ddptrain wrote",
+        f"skipped {folder / 'rank2.json'}: its 'host' is null, not text: not a record "
+        "ddptrain wrote",
+        f"skipped {folder / 'rank3.json'}: a symbolic link",
+        f"skipped {folder / 'rank4.json'}: it says rank 3, not the 4 of its name",
+        f"skipped {folder / 'stalled1.json'}: its 'step' is text, not a whole number or "
+        "null: not a record ddptrain wrote",
+        f"skipped {folder / 'stalled2.json'}: not a regular file (a directory, device, FIFO "
+        "or socket)",
+    ], text
+    assert "SECRET" not in text
+    # diagnose makes the report again, with the same notes
+    (folder / "report.txt").unlink()
+    assert main(["diagnose", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ranks 1, 2, 3, 4 did not reach") and skipped[0] in out, out
+    # a record missing a field it reads, and nothing else: one line naming the file
+    for name in ("rank0.json", "rank2.json", "rank4.json"):
+        (folder / name).unlink()
+    (folder / "rank0.json").write_text(json.dumps({k: v for k, v in good.items() if k != "op"}))
+    assert main(["diagnose", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"ddptrain: error: {str(folder)!r} holds no hang record ddptrain can read: "
+        f"{folder / 'rank0.json'}: no 'op' field: not a record ddptrain wrote (and 2 more)\n")
+    # a report that is a link (to /etc/hostname, say) or a FIFO is neither read nor printed
+    for target, why in ((secret, "a symbolic link"), (None, "not a regular file")):
+        if target is None:
+            os.mkfifo(folder / "report.txt")
+        else:
+            (folder / "report.txt").symlink_to(target)
+        assert main(["diagnose", str(tmp_path)]) == 2
+        out, err = capsys.readouterr()
+        assert not out and "SECRET" not in err, err
+        assert err.startswith(f"ddptrain: error: {str(folder / 'report.txt')!r}: {why}")
+        assert len(err.splitlines()) == 1, err
+        (folder / "report.txt").unlink()
+    # so is a hang/ folder that is a link
+    elsewhere = tmp_path / "elsewhere"
+    folder.rename(elsewhere)
+    (elsewhere / "report.txt").write_text("SECRET\n")
+    folder.symlink_to(elsewhere)
+    assert main(["diagnose", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err == (f"ddptrain: error: {str(folder)!r} is a symbolic link: ddptrain "
+                               "reads no hang records through it; remove it\n")
+
 def _stuck_in_user_code(seconds: float) -> None:
     time.sleep(seconds)  # a user's forward that never returns
 

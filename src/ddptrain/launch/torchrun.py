@@ -11,7 +11,10 @@ it, and the job exits with that rank's code. The root cause is the first rank to
 its own: torchrun's own pick goes by whole seconds, so a rank its agent stopped (exit 75,
 143 or SIGTERM) or one that lost that peer (3) may tie with it and come first. A
 rank killed by a signal says nothing, so this says it, in one line, and exits 128 + the
-signal's number (137 for SIGKILL, the out-of-memory killer's). torchrun's start-up banner
+signal's number (137 for SIGKILL, the out-of-memory killer's). A rank SIGKILLed after
+another had failed was torchrun's own kill, of a rank still running 30 s after its
+SIGTERM (one stalled in its own code, whose peers lost it): stopped, not the cause, and
+the job's code is its peers' 3. torchrun's start-up banner
 and agent warnings are left out too; set LOGLEVEL (torchrun's own variable) to see them.
 """
 
@@ -35,11 +38,25 @@ def stopped(code: int) -> bool:
     return code in STOPPED or code == -signal.SIGTERM
 
 
+def stopped_by_job(failures: dict[int, Any], rank: int) -> bool:
+    """Whether rank `rank` of torchrun's `failures` (global rank -> ProcessFailure) ended
+    so because the job stopped it: a `stopped` code, or SIGKILL seen after another rank
+    had failed. That SIGKILL is torchrun's own, sent to the ranks still running 30 s
+    after its SIGTERM: a rank stalled in its own code, whose peers lost it and ended
+    first (3). The out-of-memory killer's comes first, its peers noticing after."""
+    failure = failures[rank]
+    code = int(failure.exitcode)
+    if stopped(code):
+        return True
+    return code == -signal.SIGKILL and any(
+        other.timestamp < failure.timestamp for r, other in failures.items() if r != rank)
+
+
 def root_cause(failures: dict[int, Any], first: int) -> int:
     """The rank that failed on its own, of torchrun's `failures` (global rank ->
     ProcessFailure): torchrun's `first` unless it is one the job stopped while another
     failed of itself (the earliest of those); `first` when every rank was stopped."""
-    own = [r for r, f in failures.items() if not stopped(int(f.exitcode))]
+    own = [r for r in failures if not stopped_by_job(failures, r)]
     if not own or first in own:
         return first
     return min(own, key=lambda r: (failures[r].timestamp, r))
@@ -78,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         first, _ = exc.get_first_failure()
         cause = root_cause(exc.failures, first)
         line, code = failure_report(exc.failures, cause)
-        if not stopped(int(exc.failures[cause].exitcode)):
+        if not stopped_by_job(exc.failures, cause):
             note_exit(code, cause=True)  # over what a rank this job stopped noted
         if line is not None:
             sys.stderr.write(line + "\n")

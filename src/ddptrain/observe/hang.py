@@ -32,6 +32,7 @@ and each ends with one line:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import pickle
@@ -45,12 +46,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ddptrain.files import atomic_write_text
+from ddptrain.errors import ConfigError
+from ddptrain.files import atomic_write_text, read_regular
 from ddptrain.observe.startup import process_age
 
 FR_BUFFER = "TORCH_FR_BUFFER_SIZE"
 FR_ENTRIES = 2000  # collectives each rank remembers: a few KB of host memory
 RECORDS_WAIT_S = 3.0  # how long a rank that failed waits for its peers' records
+RECORD_LIMIT = 8 << 20  # bytes of a record read at most (a few hundred KB in practice)
+REPORT_LIMIT = 64 << 20  # ... of report.txt (a line per rank)
+MAX_WORLD = 1 << 20  # the most ranks a record may say its job had
 
 # Where this rank is: the trainer's run directory and its `Progress` (read, not written,
 # a step: steps and epochs completed).
@@ -97,9 +102,8 @@ def write_record(exc: BaseException | None, rank: int, world_size: int,
         "stacks": _stacks(),
     }
     path = record_dir(Path(run_dir)) / f"rank{rank}.json"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(record, indent=1, default=str))
+    try:  # hang/ a real folder of the run's: never written through a link (`files.own_dir`)
+        atomic_write_text(path, json.dumps(record, indent=1, default=str), under=Path(run_dir))
     except OSError:
         return None
     return path
@@ -115,7 +119,7 @@ class StallWatch:
     (a long validation or save). Nothing is read or written while steps move."""
 
     def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float) -> None:
-        self.path = record_dir(run_dir) / f"stalled{rank}.json"
+        self.run_dir, self.path = run_dir, record_dir(run_dir) / f"stalled{rank}.json"
         self.rank, self.limit, self.alone = rank, timeout_s / 2, world_size < 2
         self._main = threading.main_thread()
         self._stop = threading.Event()
@@ -150,8 +154,8 @@ class StallWatch:
         note = {"rank": self.rank, "time": time.time(), "step": step,
                 "where": _at(frame) if frame is not None else None, "stack": stack}
         with contextlib.suppress(OSError):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.path, json.dumps(note, indent=1, default=str))
+            atomic_write_text(self.path, json.dumps(note, indent=1, default=str),
+                              under=self.run_dir)
         return True
 
 
@@ -170,45 +174,135 @@ def culprit_line(run_dir: Path, world_size: int, rank: int,
     deadline = time.monotonic() + wait_s
     # A record from before this process started is an earlier attempt's (a resumed run)
     since = time.time() - process_age() - 1.0
-    records = read_records(folder, since)
+    skipped: dict[str, str] = {}  # a file not of ddptrain's shape: named in the report
+    records = read_records(folder, since, skipped=skipped)
     while len(records) < world_size and time.monotonic() < deadline:
         time.sleep(0.1)
-        records = read_records(folder, since, records)
+        records = read_records(folder, since, records, skipped=skipped)
     if rank not in records:
         return None
-    text, line = report(records, world_size, read_records(folder, since, prefix="stalled"))
+    stalled = read_records(folder, since, prefix="stalled", skipped=skipped)
+    text, line = report(records, world_size, stalled, skipped)
     report_file = folder / "report.txt"
     if rank == min(records):
         with contextlib.suppress(OSError):
-            atomic_write_text(report_file, text)
+            atomic_write_text(report_file, text, under=Path(run_dir))
     return f"{line}; report: {report_file}"
 
 
 def read_records(folder: Path, since: float = 0.0,
                  known: dict[int, dict[str, Any]] | None = None, prefix: str = "rank",
-                 ) -> dict[int, dict[str, Any]]:
+                 skipped: dict[str, str] | None = None) -> dict[int, dict[str, Any]]:
     """The ranks' records in `folder` (or with `prefix="stalled"` their `StallWatch`
     notes), by rank; those written before `since` left out. The ranks in `known` are not
     read again: a rank polling for its peers' records reads each file once, not once a
-    poll (hundreds of ranks on a shared filesystem)."""
+    poll (hundreds of ranks on a shared filesystem). A file that is no record of
+    ddptrain's shape (a link, not a regular file, not JSON, not an object with the fields
+    the report reads, of their types) is left out, and named with why in `skipped`.
+    Nothing is read through a link: a `folder` that is one holds no records."""
     records = dict(known or {})
-    for path in folder.glob(f"{prefix}*.json"):
+    if os.path.islink(folder):
+        return records
+    for path in sorted(folder.glob(f"{prefix}*.json")):
         number = path.stem[len(prefix):]
-        if not number.isdigit() or int(number) in records:
+        if not (number.isascii() and number.isdigit()) or int(number) in records:
             continue
+        why = None
         try:
-            record = json.loads(path.read_text())
-            if float(record.get("time", since)) >= since:
-                records[int(record["rank"])] = record
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # being written, or not ours
+            record = json.loads(read_regular(path, RECORD_LIMIT))
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                continue  # gone since the listing
+            why = _unreadable(exc)
+        except ValueError:
+            why = "not JSON"
+        else:
+            timed = isinstance(record, dict) and _number(record.get("time"))
+            if timed and record["time"] < since:
+                continue  # an earlier attempt's
+            why = _shape_fault(record, int(number), prefix == "stalled")
+        if why is not None:
+            if skipped is not None:
+                skipped[str(path)] = why
+            continue
+        records[int(number)] = record
+        if skipped is not None:
+            skipped.pop(str(path), None)
     return records
 
 
+# The fields of a record (`write_record`) and of a note (`StallWatch`) that the report
+# reads, each with its types and whether it must be there.
+_INT, _NONE, _NUM = "a whole number", "null", "a number"
+_RECORD_FIELDS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "rank": ((_INT,), True), "world_size": ((_INT,), True), "host": (("text",), True),
+    "step": ((_INT, _NONE), True), "op": (("text", _NONE), True), "group": (("text",), True),
+    "seq": ((_INT, _NONE), False), "where": (("text", _NONE), True),
+    "error": (("text",), True), "own_error": (("true or false",), False),
+    "last_done": (("text", _NONE), False), "time": ((_NUM,), False),
+}
+_NOTE_FIELDS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "rank": ((_INT,), True), "step": ((_INT, _NONE), True),
+    "where": (("text", _NONE), True), "time": ((_NUM,), False),
+}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    """`value`'s JSON kind, as the field tables name them."""
+    if value is None:
+        return _NONE
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, int):
+        return _INT
+    if isinstance(value, float):
+        return _NUM
+    if isinstance(value, str):
+        return "text"
+    return "a list" if isinstance(value, list) else "an object"
+
+
+def _shape_fault(record: Any, number: int, note: bool) -> str | None:
+    """Why `record`, read from the file of rank `number`, is no record (`note`: no
+    `StallWatch` note) of ddptrain's; None when it is one."""
+    if not isinstance(record, dict):
+        return f"{_kind(record)} in JSON, not an object: not a record ddptrain wrote"
+    for key, (kinds, required) in (_NOTE_FIELDS if note else _RECORD_FIELDS).items():
+        if key not in record:
+            if required:
+                return f"no {key!r} field: not a record ddptrain wrote"
+            continue
+        kind = _kind(record[key])
+        if kind not in kinds and not (kind == _INT and _NUM in kinds):
+            return (f"its {key!r} is {kind}, not {' or '.join(kinds)}: not a record "
+                    "ddptrain wrote")
+    if record["rank"] != number:
+        return f"it says rank {record['rank']}, not the {number} of its name"
+    if not note and not 0 <= number < record["world_size"] <= MAX_WORLD:
+        return (f"its world_size {record['world_size']} does not hold rank {number} (or is "
+                f"over {MAX_WORLD})")
+    return None
+
+
+def _unreadable(exc: OSError) -> str:
+    """Why a file was not read, from `read_regular`'s error."""
+    if exc.errno == errno.ELOOP:
+        return "a symbolic link"
+    if exc.errno == errno.EINVAL:
+        return "not a regular file (a directory, device, FIFO or socket)"
+    return f"unreadable ({exc.strerror or exc})"
+
+
 def report(records: dict[int, dict[str, Any]], world_size: int,
-           stalled: dict[int, dict[str, Any]] | None = None) -> tuple[str, str]:
+           stalled: dict[int, dict[str, Any]] | None = None,
+           skipped: dict[str, str] | None = None) -> tuple[str, str]:
     """The report's text and its one-line summary, from the records there are, and where
-    the ranks that wrote none were stuck when they noted it (`StallWatch`)."""
+    the ranks that wrote none were stuck when they noted it (`StallWatch`); each file in
+    `skipped` (path: why) named below the table, its rank's row as if it wrote none."""
     silent = [r for r in range(world_size) if r not in records]
     stuck = {r: (stalled or {})[r] for r in silent if (stalled or {}).get(r, {}).get("where")}
     ended = [r for r in sorted(records) if records[r].get("own_error")]
@@ -255,19 +349,40 @@ def report(records: dict[int, dict[str, Any]], world_size: int,
         lines.append(f"{r}  {rec['host']}  {rec['step']}  {rec['op']}{seq} (group "
                      f"{rec['group']})  {rec['where']}  {rec['error']}")
     lines += ["", "Each rank's last collectives and Python stacks: hang/rank<R>.json"]
+    lines += [f"skipped {path}: {why}" for path, why in sorted((skipped or {}).items())]
     return "\n".join(lines) + "\n", line
 
 
 def diagnose(run_dir: Path) -> str | None:
-    """The report of the run's last hang, made again from its records if need be."""
+    """The report of the run's last hang, made again from its records if need be (None:
+    no records). Nothing is read through a link, nor what is not a regular file: such a
+    `hang/` or `report.txt`, or a run with no record it can read, is a `ConfigError`
+    naming it; a record it cannot read is named in the report."""
     folder = record_dir(run_dir)
-    if (folder / "report.txt").is_file():
-        return (folder / "report.txt").read_text()
-    records = read_records(folder)
+    if os.path.islink(folder):
+        raise ConfigError(f"{str(folder)!r} is a symbolic link: ddptrain reads no hang "
+                          "records through it; remove it")
+    report_file = folder / "report.txt"
+    if os.path.lexists(report_file):
+        try:
+            return read_regular(report_file, REPORT_LIMIT)
+        except OSError as exc:
+            raise ConfigError(
+                f"{str(report_file)!r}: {_unreadable(exc)}, not read; remove it, and "
+                "ddptrain diagnose makes the report again from the records"
+            ) from None
+    skipped: dict[str, str] = {}
+    records = read_records(folder, skipped=skipped)
     if not records:
+        if skipped:
+            path, why = min(skipped.items())
+            more = f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""
+            raise ConfigError(f"{str(folder)!r} holds no hang record ddptrain can read: "
+                              f"{path}: {why}{more}")
         return None
-    world = max(int(r.get("world_size", 0)) for r in records.values())
-    return report(records, max(world, max(records) + 1), read_records(folder, prefix="stalled"))[0]
+    world = max(int(r["world_size"]) for r in records.values())
+    stalled = read_records(folder, prefix="stalled", skipped=skipped)
+    return report(records, max(world, max(records) + 1), stalled, skipped)[0]
 
 
 def _ranks(ranks: list[int]) -> str:
