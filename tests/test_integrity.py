@@ -22,7 +22,7 @@ from procs import assert_bitwise, weights
 
 from ddptrain.checkpoint import list_checkpoints, list_step_dirs, load_checkpoint, save_checkpoint
 from ddptrain.checkpoint.common import CheckpointError, forget_reads
-from ddptrain.checkpoint.dcp import META, read_meta
+from ddptrain.checkpoint.dcp import META, load_metadata, read_meta
 from ddptrain.cli import main
 from ddptrain.context import DistributedContext
 
@@ -79,12 +79,25 @@ def _flip_a_field(path: Path, key: str) -> None:
         f.write(bytes([original ^ 1]))
 
 
-def _damage(target: Path, how: str) -> Path:
+def _own_chunk(shard: Path) -> int:
+    """Where the largest tensor chunk of a DCP shard file that starts past offset 0 lies
+    in the file: under fsdp on 2 ranks, a chunk that only the rank that wrote it reads
+    back (rank 1's in `__1_0.distcp`)."""
+    metadata = load_metadata((shard.parent / ".metadata").read_bytes())
+    chunks = [info for index, info in metadata.storage_data.items()
+              if info.relative_path == shard.name and index.offset is not None
+              and any(index.offset)]
+    return max(chunks, key=lambda info: info.length).offset
+
+
+def _damage(target: Path, how: str, where: str = "middle") -> Path:
     """Flip 64 bytes inside the tensor data of `target` (a .pt file, or the largest shard
-    of a step directory), or cut the file in half; returns the file damaged."""
+    of a step directory: its middle, or with `where="own chunk"` the zip header of a
+    tensor chunk only its writer reads, `_own_chunk`), or cut the file in half; returns
+    the file damaged."""
     if target.is_dir():
         victim = max(target.glob("*.distcp"), key=lambda p: p.stat().st_size)
-        middle = victim.stat().st_size // 2
+        middle = victim.stat().st_size // 2 if where == "middle" else _own_chunk(victim)
     else:
         victim, middle = target, _tensor_bytes_of_pt(target)
     if how == "flip":
@@ -131,23 +144,86 @@ def test_a_damaged_newest_pt_is_skipped_and_the_run_ends_bitwise_equal(
 
 @pytest.mark.heavy
 # a truncated shard: test_a_dcp_step_is_summed_as_it_is_written_and_checked_as_it_is_read...
-@pytest.mark.parametrize("how", ["flip"])
 def test_a_damaged_shard_of_the_newest_dcp_step_is_skipped_and_the_run_ends_bitwise_equal(
-    tmp_path: Path, how: str
+    tmp_path: Path,
 ) -> None:
+    """64 flipped bytes in the largest shard (`__1_0.distcp`) of the newest step directory
+    (fsdp, 2 ranks), each damage on a copy of one killed run: in its middle, an entry
+    every rank reads (an optimizer setting), and in the zip header of a tensor chunk only
+    rank 1 reads, which fails to deserialise on rank 1 before its check. Both ranks skip
+    the step (rank 0 read nothing damaged) and end equal to the uninterrupted run."""
     def launch(args: list[str], env: dict[str, str]):
         return run_torchrun(2, args, cwd=tmp_path, env=env)
 
     fsdp = ["--strategy", "fsdp"]
     reference = tmp_path / "reference"
     assert launch([*JOB, *fsdp, "--output_dir", str(reference)], {}).returncode == 0
-    # rank 1 dies at step 18's forward: the newest step directory is 15, the one before
-    # it 12 (the end of epoch 1)
-    newest, log = _killed_then_resumed(tmp_path, launch, fsdp, 18, how)
-    assert newest.name == "step_000000015"
-    assert "skipping unusable checkpoint" in log and "is damaged" in log and str(newest) in log
-    assert "epoch 1 done, step 12" in log
-    assert_bitwise(weights(tmp_path / "run"), weights(reference))
+    killed = tmp_path / "killed"
+    args = [*JOB, *fsdp, "--output_dir", str(killed)]
+    assert launch(args, {"GUARD_KILL_AT": "18"}).returncode != 0
+    for where in ("middle", "own chunk"):
+        run = tmp_path / where.replace(" ", "_")
+        shutil.copytree(killed, run, symlinks=True)
+        # rank 1 died at step 18's forward: the newest step directory is 15, the one
+        # before it 12 (the end of epoch 1)
+        newest = list_step_dirs(run / "checkpoints")[0]
+        assert newest.name == "step_000000015"
+        assert _damage(newest, "flip", where).name == "__1_0.distcp"
+        resumed = launch([*JOB, *fsdp, "--output_dir", str(run), "--resume_from", "auto"], {})
+        assert resumed.returncode == 0, (where, resumed.stderr[-3000:])
+        log = resumed.stdout + resumed.stderr
+        for rank in (0, 1):
+            assert any(f"[rank {rank}]" in line and "skipping unusable checkpoint" in line
+                       and "is damaged" in line and str(newest) in line
+                       for line in log.splitlines()), (where, rank, log[-3000:])
+        assert "epoch 1 done, step 12" in log
+        assert_bitwise(weights(run), weights(reference))
+
+
+def _load_a_chunk_damaged_on_rank_1(rank: int, directory: str) -> str:
+    """A 2-rank step directory of one tensor sharded by rows; rank 0 flips the zip header
+    of rank 1's chunk, then both load it: what each was told."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ddptrain.checkpoint.dcp import ShardedCheckpointer, load_sharded
+
+    dist.init_process_group("gloo")
+    try:
+        ctx = DistributedContext(rank, rank, 2, CPU, "gloo")
+        mesh = init_device_mesh("cpu", (2,))
+
+        def state(whole: torch.Tensor) -> dict[str, Any]:
+            return {"model": {"w": distribute_tensor(whole, mesh, [Shard(0)])},
+                    "optim": {"lr": 0.1}}
+
+        saver = ShardedCheckpointer(Path(directory), ctx, keep_last=0, background=False)
+        path = saver.save(3, {"step": 3, "epoch": 0}, state(torch.arange(64.0)), best=False)
+        meta = read_meta(path, CPU)
+        if rank == 0:
+            _flip(path / "__1_0.distcp", _own_chunk(path / "__1_0.distcp"))
+        dist.barrier()
+        try:
+            load_sharded(path, state(torch.zeros(64)), meta)
+        except CheckpointError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "loaded"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_an_entry_damaged_where_one_rank_reads_is_damage_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's chunk fails to deserialise (its zip header is damaged) before its check;
+    rank 0 read nothing damaged, but is given rank 1's failure: both are told the same
+    damage (a resume skips the step on both), not rank 0 a model that does not fit."""
+    from dist_utils import run_ranks
+
+    told = run_ranks(_load_a_chunk_damaged_on_rank_1, 2, tmp_path, str(tmp_path / "ckpt"))
+    assert told[0] == told[1], told
+    assert told[0].startswith("DamagedCheckpoint: ") and "__1_0.distcp" in told[0], told
+    assert "does not match its checksum" in told[0], told
 
 
 def test_resume_from_a_damaged_file_is_one_line_and_exit_2(

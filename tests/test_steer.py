@@ -343,6 +343,42 @@ def test_on_spike_rollback_ends_with_the_weights_of_a_run_that_skips_the_spiked_
     assert [(r["first"], r["to_step"]) for r in recorded] == [(17, 16), (27, 24)]
 
 
+def test_a_rollbacks_json_of_the_wrong_shape_is_one_line_naming_it_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A `rollbacks.json` of this run whose records are not what a rollback writes (a step
+    that is not a number, records that are not a list, ...) ends the start with one
+    `ddptrain: error:` line naming the file and the fix, exit 2: no traceback (on several
+    ranks every rank raises the same, from rank 0's reading; none is left waiting). Once
+    it is removed the run resumes."""
+    run = tmp_path / "run"
+    args = ["train", "--batch_size", "64", "--no-tensorboard", "--output_dir", str(run)]
+    assert main([*args, "--epochs", "1"]) == 0
+    run_id = json.loads((run / "summary.json").read_text())["run_id"]
+    record = run / "rollbacks.json"
+    for rollbacks, says in (
+        ([{"first": "x"}], "rollback 0's 'first' is 'x', not a step number"),
+        ([{"first": 3, "last": None}], "rollback 0's 'last' is None, not a step number"),
+        ([{"first": 5, "last": 4}], "rollback 0's first step 5 is after its last 4"),
+        ({"first": 3}, '"rollbacks" is a dict, not a list'),
+        (["x"], "rollback 0 is a str, not an object"),
+    ):
+        record.write_text(json.dumps({"run_id": run_id, "rollbacks": rollbacks}))
+        capsys.readouterr()
+        assert main([*args, "--epochs", "2", "--resume_from", "auto"]) == 2, rollbacks
+        said = capsys.readouterr()
+        err = [line for line in said.err.splitlines() if line.strip()]
+        assert len(err) == 1 and err[0].startswith("ddptrain: error: "), err
+        assert str(record) in err[0] and says in err[0] and "remove it" in err[0], err
+    record.write_text("{not json")
+    capsys.readouterr()
+    assert main([*args, "--epochs", "2", "--resume_from", "auto"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "is not JSON" in err[0] and str(record) in err[0], err
+    record.unlink()
+    assert main([*args, "--epochs", "2", "--resume_from", "auto"]) == 0
+
+
 @pytest.mark.heavy
 @pytest.mark.slow
 def test_a_rollback_on_two_fsdp_ranks_killed_before_its_next_checkpoint_resumes_past_it(

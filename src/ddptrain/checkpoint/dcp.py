@@ -74,7 +74,7 @@ from ddptrain.checkpoint.common import (
 from ddptrain.checkpoint.integrity import share
 from ddptrain.checkpoint.summing import CheckedRange, Damaged, SummingWriter, item_key
 from ddptrain.context import DistributedContext
-from ddptrain.files import atomic_write_text, files_damage, fsync_dir
+from ddptrain.files import atomic_write_text, files_damage, fsync_dir, remove
 
 META = "meta.pt"
 LATEST_DIR = "latest"
@@ -173,7 +173,12 @@ class SafeReader(FileSystemReader):
             return info.relative_path, info.offset
 
         ordered = dataclasses.replace(plan, items=sorted(plan.items, key=where))
-        return super().read_data(ordered, planner)
+        try:
+            return super().read_data(ordered, planner)
+        except Exception:  # damaged bytes that fail to deserialise before their check
+            with contextlib.suppress(OSError):
+                self.finish_pending()  # `Damaged`, the failure DCP then gives every rank
+            raise
 
     def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
         self.finish_pending()
@@ -327,8 +332,10 @@ class ShardedCheckpointer:
         self.wait()
         final = self.directory / dir_name(step)
         partial = self.directory / f".{final.name}.partial"
-        if self.ctx.is_main:
-            shutil.rmtree(partial, ignore_errors=True)  # a writer killed at this step
+        if self.ctx.is_main:  # a writer killed at this step; a link there removed, not followed
+            with contextlib.suppress(OSError):
+                remove(partial)
+                os.mkdir(partial)
         if self.ctx.distributed:
             dist.barrier(group=self.group)
         t0 = time.perf_counter()
@@ -429,8 +436,8 @@ class ShardedCheckpointer:
         if self.ctx.is_main and failure is None:
             try:
                 atomic_save(stamped({**meta, "shards": files, "items": items}), partial / META)
-                if final.exists():  # the same step saved again (an epoch end after a step)
-                    shutil.rmtree(final)
+                if os.path.lexists(final):  # the same step saved again (an epoch end after a step)
+                    remove(final)
                 os.replace(partial, final)
                 fsync_dir(self.directory)
                 atomic_write_text(self.directory / LATEST_DIR, final.name + "\n")
@@ -502,14 +509,16 @@ def quiet_without_group() -> Iterator[None]:
         yield
 
 
-def dcp_cause(exc: BaseException) -> BaseException:
+def dcp_cause(exc: BaseException, first: type[BaseException] | None = None) -> BaseException:
     """What went wrong inside DCP: the first rank's own error that a
-    `CheckpointException` (a `BaseException`, gathered from every rank) wraps."""
-    if isinstance(exc, CheckpointException) and exc.failures:
-        first = exc.failures[min(exc.failures)]
-        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
-            return first[0]
-    return exc
+    `CheckpointException` (a `BaseException`, gathered from every rank) wraps; `first`:
+    the first rank's error of that kind, where any rank had one."""
+    if not isinstance(exc, CheckpointException):
+        return exc
+    causes = [f[0] for _, f in sorted(exc.failures.items())
+              if isinstance(f, tuple) and f and isinstance(f[0], BaseException)]
+    return next((c for c in causes if first and isinstance(c, first)), None) or next(
+        iter(causes), exc)
 
 
 def load_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
@@ -523,13 +532,9 @@ def load_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any] | None 
             dcp.load(state, checkpoint_id=path, storage_reader=reader,
                      planner=SafeLoadPlanner(reader))
     except (Exception, CheckpointException) as exc:  # DCP's own derives from BaseException
-        cause = dcp_cause(exc)
-        try:  # damaged bytes may fail to deserialise before their check
-            reader.finish_pending()
-        except Damaged as damage:
-            cause = damage
-        except OSError:
-            pass
+        # every rank's failures, the same on all (DCP's read is collective): damage that
+        # any rank read (`SafeReader.read_data`) is every rank's verdict, before any other
+        cause = dcp_cause(exc, first=Damaged)
         if isinstance(cause, ForeignMetadata):
             raise _refused(path, str(cause)) from None
         if isinstance(cause, Damaged):

@@ -149,6 +149,17 @@ class IterableBatches:
     def state_dict(self) -> dict[str, Any] | None:
         return self.state
 
+    def fits(self, state: Any) -> bool:
+        """Whether `state` (what `state_dict` saved) is a position this loader can take:
+        the shard's own without workers, else torchdata's, of as many workers as now."""
+        if not isinstance(state, dict):
+            return False
+        if not self._workers:
+            return {"consumed", "dataset"} <= state.keys()
+        snapshot = state.get("_snapshot")
+        main = snapshot.get("_main_snapshot") if isinstance(snapshot, dict) else None
+        return isinstance(main, dict) and main.get("_num_workers") == self.loader.num_workers
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the interrupted epoch where this rank's shard (or each of its
         workers' shards) stood."""

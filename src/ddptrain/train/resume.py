@@ -23,6 +23,7 @@ from ddptrain.checkpoint.manager import EMA_FILE_KEY, skipping
 from ddptrain.checkpoint.pt import BEST
 from ddptrain.checkpoint.rng import set_rng_state
 from ddptrain.checkpoint.schema import APPLIED, LAYOUT, Progress, changed, refuse_incompatible
+from ddptrain.data import IterableBatches
 from ddptrain.parallel.base import hyperparameters
 
 if TYPE_CHECKING:
@@ -134,16 +135,12 @@ def _restore_position(trainer: Trainer, payload: dict[str, Any]) -> None:
     if not progress.samples_in_epoch:
         return
     if trainer.data.iterable:
-        states = payload.get("data_state") or [None]
-        if same_layout and trainer.train_batches.stateful and states[0] is not None:
-            trainer.train_batches.load_state_dict(states[ctx.rank])
+        why = _stream_cannot_continue(trainer, payload, same_layout)
+        if why is None:
+            trainer.train_batches.load_state_dict(payload["data_state"][ctx.rank])
             return
-        log.warning(
-            "an IterableDataset without state_dict/load_state_dict (or with DataLoader "
-            "workers but without torchdata: pip install 'ddptrain[streams]'; or on another "
-            "layout) cannot start part-way: epoch %d restarts from its beginning",
-            progress.epoch + 1,
-        )
+        log.warning("%s: the stream cannot start part-way, epoch %d restarts from its "
+                    "beginning", why, progress.epoch + 1)
         progress.samples_in_epoch = 0
         trainer.resumed_meter = None
     elif not same_layout:
@@ -152,6 +149,34 @@ def _restore_position(trainer: Trainer, payload: dict[str, Any]) -> None:
             "epoch %d continues at global sample %d",
             progress.epoch + 1, progress.samples_in_epoch,
         )
+
+
+def _stream_cannot_continue(
+    trainer: Trainer, payload: dict[str, Any], same_layout: bool
+) -> str | None:
+    """Why an iterable dataset's interrupted epoch cannot continue from the position the
+    checkpoint saved (the same on every rank: the config, the layout, the kind of
+    position), or None when it can. A position is the shard's own (`--num_workers 0`) or
+    each DataLoader worker's (torchdata's loader, as many workers as saved it): one saved
+    with another number of workers is another loader's, which this one cannot take."""
+    cfg, batches = trainer.config, trainer.train_batches
+    states = payload.get("data_state") or [None]
+    if not batches.stateful:
+        return ("an IterableDataset without state_dict/load_state_dict (or with DataLoader "
+                "workers but without torchdata: pip install 'ddptrain[streams]') keeps no "
+                "position")
+    if not same_layout:
+        return ("the checkpoint's stream position was taken on another layout (world size, "
+                "--batch_size, --grad_accum_steps, --drop_last or --seed)")
+    saved = (payload.get("config") or {}).get("num_workers", cfg.num_workers)
+    if saved != cfg.num_workers:
+        return (f"the checkpoint's stream position was taken with --num_workers {saved}, "
+                f"this run has {cfg.num_workers} (a DataLoader continues only a position of "
+                "as many workers)")
+    fits = batches.fits if isinstance(batches, IterableBatches) else lambda state: True
+    if len(states) != trainer.ctx.world_size or not all(fits(s) for s in states):
+        return "the checkpoint holds no stream position this run's DataLoader can take"
+    return None
 
 
 def _regroup(trainer: Trainer, payload: dict[str, Any], fresh: list[dict[str, Any]]) -> None:

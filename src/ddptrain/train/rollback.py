@@ -29,7 +29,7 @@ from ddptrain.checkpoint.manager import discard_from, newest_before
 from ddptrain.config import TrainingConfig
 from ddptrain.config_values import step_ranges
 from ddptrain.context import DistributedContext, from_main
-from ddptrain.errors import Diverged
+from ddptrain.errors import ConfigError, Diverged
 from ddptrain.files import atomic_write_text
 from ddptrain.observe.hang import POSITION
 from ddptrain.train.resume import restore
@@ -52,8 +52,12 @@ class SkippedSteps:
         self.path = config.run_dir / ROLLBACKS
         self.run_id = config.run_id
         self.ranges = step_ranges(config.skip_steps)
-        self.rollbacks: list[dict[str, Any]] = from_main(
-            lambda: _recorded(self.path, config.run_id), ctx)
+        # rank 0's verdict on the file, records or what is wrong with it, is every rank's:
+        # a bad file ends every rank with the same line, none waiting for another
+        recorded, bad = from_main(lambda: _read_recorded(self.path, config.run_id), ctx)
+        if bad is not None:
+            raise ConfigError(bad)
+        self.rollbacks: list[dict[str, Any]] = recorded
         self.ranges += [(r["first"], r["last"]) for r in self.rollbacks]
 
     def covers(self, step: int) -> bool:
@@ -67,20 +71,53 @@ class SkippedSteps:
             atomic_write_text(self.path, text + "\n")
 
 
-def _recorded(path: Path, run_id: str | None) -> list[dict[str, Any]]:
+def _read_recorded(path: Path, run_id: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """`_recorded`'s records, or what is wrong with the file (plain data, to broadcast)."""
     try:
-        saved = json.loads(path.read_text())
+        return _recorded(path, run_id), None
+    except ConfigError as exc:
+        return [], str(exc)
+
+
+def _recorded(path: Path, run_id: str | None) -> list[dict[str, Any]]:
+    """The rollbacks `path` records for the run `run_id` (none for another run's file),
+    checked by shape: `ConfigError` naming the file and what is wrong."""
+    def bad(what: str) -> ConfigError:
+        return ConfigError(
+            f"{str(path)!r} is not a rollback record ddptrain can use: {what}; it is written "
+            "by --on_spike rollback as {\"run_id\": ..., \"rollbacks\": [{\"first\": STEP, "
+            "\"last\": STEP, ...}]}: fix it, or remove it (its rolled-back steps are then "
+            "trained on again; --skip_steps skips them)"
+        )
+
+    try:
+        text = path.read_text()
     except FileNotFoundError:
         return []
-    except (OSError, ValueError) as exc:
-        log.warning("cannot read %s (%s): its rolled-back steps are trained on", path, exc)
-        return []
-    if not isinstance(saved, dict) or saved.get("run_id") != run_id:
+    except (OSError, UnicodeDecodeError) as exc:
+        raise bad(f"it cannot be read ({exc})") from None
+    try:
+        saved = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # nested past Python's stack: not ours
+        raise bad(f"it is not JSON ({exc})") from None
+    if not isinstance(saved, dict):
+        raise bad(f"it holds a {type(saved).__name__}, not an object")
+    if saved.get("run_id") != run_id:
         return []  # another run's, before this one took the directory
-    return [
-        {**r, "first": int(r["first"]), "last": int(r["last"])}
-        for r in saved.get("rollbacks", []) if isinstance(r, dict)
-    ]
+    rollbacks = saved.get("rollbacks", [])
+    if not isinstance(rollbacks, list):
+        raise bad(f"its \"rollbacks\" is a {type(rollbacks).__name__}, not a list")
+    for i, record in enumerate(rollbacks):
+        if not isinstance(record, dict):
+            raise bad(f"rollback {i} is a {type(record).__name__}, not an object")
+        for key in ("first", "last"):
+            value = record.get(key)
+            if type(value) is not int or value < 0:
+                raise bad(f"rollback {i}'s {key!r} is {value!r}, not a step number")
+        if record["first"] > record["last"]:
+            raise bad(f"rollback {i}'s first step {record['first']} is after its last "
+                      f"{record['last']}")
+    return [dict(record) for record in rollbacks]
 
 
 def roll_back(trainer: Trainer, spike: SpikeRollback) -> None:
