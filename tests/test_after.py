@@ -425,3 +425,56 @@ def test_lm_evaluate_on_one_and_two_ranks_equals_the_last_row(tmp_path: Path) ->
     figures = json.loads(out.read_text())
     assert "perplexity" in figures
     assert_same_figures(figures, row)
+
+
+def test_a_stored_trust_remote_code_runs_only_when_the_command_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A downloaded run whose config stores `model: hf:DIR` with `model_args:
+    {trust_remote_code: true}`, DIR's config.json naming its own module (`auto_map`):
+    evaluate and predict import none of it unless the command names that entry again."""
+    pytest.importorskip("transformers")
+    import transformers.dynamic_module_utils as dynamic
+    import yaml
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ddptrain.train.inference import Source, source_config
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    pretrained = tmp_path / "tiny-gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=30, n_positions=16, n_embd=8, n_layer=1,
+                               n_head=2)).save_pretrained(pretrained)
+    config = json.loads((pretrained / "config.json").read_text())
+    config.update(auto_map={"AutoConfig": "planted.PlantedConfig"})
+    (pretrained / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "ran"
+    (pretrained / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({
+        "dataset": "hfplug:sentiment", "model": f"hf:{pretrained}",
+        "model_args": {"trust_remote_code": True}}))
+    (run / "model.safetensors").write_bytes(b"")  # never read: refused before
+    says = ("names code to import and run (--model_args trust_remote_code=true); ddptrain "
+            "runs only code your command names: give --model_args trust_remote_code=true "
+            "again if you trust it, or add --trust_checkpoint_code")
+    data = ["--dataset", "hfplug:sentiment"]
+    for command in (["evaluate", str(run), *data],
+                    ["predict", str(run), *data, "--output", str(tmp_path / "p.npy")],
+                    ["evaluate", str(run), *data, "--model_args", "num_labels=2"]):
+        _one_line_exit_2(command, capsys, says)
+        assert not marker.exists(), command
+    # dataset_args and task_args the same way, named by the field
+    for field in ("dataset_args", "task_args"):
+        stored = Source({"dataset": "digits", field: {"loader": {"trust_remote_code": True}}},
+                        run / "model.safetensors")
+        with pytest.raises(ConfigError, match=f"give --{field} loader="):
+            source_config(stored)
+        assert source_config(stored, [f"--{field}", "loader={trust_remote_code: true}"])
+    # Named again (or trusted), it runs: the directory's module is imported
+    for named in (["--model_args", "trust_remote_code=true"], ["--trust_checkpoint_code"]):
+        marker.unlink(missing_ok=True)
+        for module in [m for m in sys.modules if m.startswith("transformers_modules")]:
+            monkeypatch.delitem(sys.modules, module)  # imported again, as in a new process
+        main(["evaluate", str(run), *data, *named])
+        assert marker.exists(), named

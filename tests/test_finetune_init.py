@@ -227,3 +227,156 @@ def test_a_hugging_face_directory_fine_tunes_on_two_ranks_and_leaves_hf(tmp_path
         batch = {k: torch.stack([item[k] for item in val.items]) for k in val.items[0]}
         loss = tuned(**batch).loss
     assert float(loss) == pytest.approx(summary["val_loss"], rel=1e-5)
+
+
+def _with_metadata(path: Path, out: Path, change: Any) -> None:
+    """`path`, a safetensors file, written to `out` with `change(metadata)` made to its
+    header's metadata and nothing else (the tensors' bytes and offsets as they were)."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    change(header["__metadata__"])
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    out.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size:])
+
+
+def test_a_tie_added_to_a_runs_weights_is_damage_not_another_model(
+    sources: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tied:ALIAS` in `model.safetensors`' metadata makes a loader read one tensor for
+    another: the metadata carries its own checksum, so an added tie (with or without that
+    checksum) is damage to evaluate, predict and --init_from, one line, exit 2."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_bytes((sources["pt"] / "config.yaml").read_bytes())
+    weights_file = run / "model.safetensors"
+    _with_metadata(sources["pt"] / "model.safetensors", weights_file, lambda m: None)
+    assert main(["evaluate", str(run)]) == 0  # the header rewritten as it was: whole
+
+    def tie(metadata: dict[str, str]) -> None:
+        metadata["tied:net.3.bias"] = "net.1.bias"  # both (16,): it would load
+
+    def tie_unsummed(metadata: dict[str, str]) -> None:
+        tie(metadata)
+        metadata.pop("ddptrain:metadata", None)
+
+    for change in (tie, tie_unsummed):
+        _with_metadata(sources["pt"] / "model.safetensors", weights_file, change)
+        for command in (["evaluate", str(run)],
+                        ["predict", str(run), "--output", str(tmp_path / "p.npy")],
+                        [*_job(sources["data"]), "--init_from", str(weights_file),
+                         "--output_dir", str(tmp_path / "fine")]):
+            capsys.readouterr()
+            assert main(command) == 2, (change.__name__, command)
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and err.startswith("ddptrain: error: ") and (
+                "model.safetensors' is damaged: its metadata" in err), err
+        assert not (tmp_path / "p.npy").exists() and not (tmp_path / "fine").exists()
+
+
+def test_an_exported_hf_directory_is_checked_whole_its_index_and_its_set_of_files(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`hf/`'s ddptrain_checksums.json covers every file a loader reads (the shards, their
+    index, config.json) and the set of files: an index pointed at an added shard (a zeroed
+    weight), an added shard alone, a changed index or config are damage to `--model
+    hf:DIR` and `--init_from DIR`, one line each, exit 2. A tokenizer file that is a link
+    in the source directory is not copied into `hf/`."""
+    pytest.importorskip("transformers")
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ddptrain.errors import ConfigError
+    from ddptrain.files import SUMS_FILE, sums_damage
+    from ddptrain.models.hf import build_hf
+
+    pretrained = tmp_path / "tiny-gpt2"
+    GPT2LMHeadModel(GPT2Config(
+        vocab_size=30, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )).save_pretrained(pretrained)
+    (tmp_path / "secret").write_text("a secret\n")
+    (pretrained / "tokenizer_config.json").symlink_to(tmp_path / "secret")
+    (pretrained / "vocab.json").write_text("{}\n")
+    job = ["train", "--dataset", "hfplug:sentiment", "--epochs", "1", "--batch_size", "32",
+           "--no-tensorboard", "--no-curves"]
+    assert main([*job, "--model", f"hf:{pretrained}", "--export_shard_mb", "0.005",
+                 "--output_dir", str(tmp_path / "cls")]) == 0
+    exported = tmp_path / "cls" / "hf"
+    assert not (exported / "tokenizer_config.json").exists()  # a link: left out
+    assert (exported / "vocab.json").read_text() == "{}\n"
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # shards and their index
+    assert sums_damage(exported) is None and set(json.loads((exported / SUMS_FILE).read_text(
+    ))) == {p.name for p in exported.iterdir()} - {SUMS_FILE}  # every file, summed
+    name = "transformer.h.0.mlp.c_fc.weight"
+    zeroed = {name: torch.zeros_like(load_file(exported / index["weight_map"][name])[name])}
+
+    def pointed(hf: Path) -> None:  # the index names an added shard for one weight
+        save_file(zeroed, str(hf / "model-zero.safetensors"), metadata={"format": "pt"})
+        moved = {**index, "weight_map": {**index["weight_map"], name: "model-zero.safetensors"}}
+        (hf / "model.safetensors.index.json").write_text(json.dumps(moved, indent=2) + "\n")
+
+    def added(hf: Path) -> None:  # a weight file no index names
+        save_file(zeroed, str(hf / "model-zero.safetensors"), metadata={"format": "pt"})
+
+    def reindexed(hf: Path) -> None:  # the same index, written otherwise
+        (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    def configured(hf: Path) -> None:
+        config = json.loads((hf / "config.json").read_text())
+        (hf / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": 1.0}))
+
+    says = {pointed: "model-zero.safetensors is not among the files",
+            added: "model-zero.safetensors is not among the files",
+            reindexed: "model.safetensors.index.json holds",  # ... bytes, ... were written
+            configured: "config.json holds"}
+    capfd.readouterr()
+    for change, what in says.items():
+        hf = tmp_path / change.__name__
+        shutil.copytree(exported, hf, symlinks=True)
+        change(hf)
+        for args in (["--model", f"hf:{hf}"],
+                     ["--model", f"hf:{pretrained}", "--init_from", str(hf)]):
+            assert main([*job, *args, "--output_dir", str(tmp_path / "again")]) == 2, (
+                change.__name__, args)
+            err = capfd.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and "is damaged: " + what in err[0], (change.__name__, err)
+        assert not (tmp_path / "again").exists()
+        if change is configured:  # built on the meta device (fsdp, tp, pp): checked first
+            with torch.device("meta"), pytest.raises(ConfigError, match=r"config\.json holds"):
+                build_hf(f"hf:{hf}", {}, "classification", 2, torch.device("meta"))
+
+
+def test_a_tokenizer_file_that_is_a_link_or_no_regular_file_is_not_copied(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`hf/` takes the source directory's tokenizer files that are regular files; a link
+    (to a secret, say) and a FIFO are left out, with one warning naming them."""
+    import logging
+    import os
+
+    from ddptrain.checkpoint.export import _copy_tokenizer
+
+    source, out = tmp_path / "source", tmp_path / "out"
+    source.mkdir()
+    out.mkdir()
+    (tmp_path / "secret").write_text("a secret\n")
+    (source / "tokenizer_config.json").symlink_to(tmp_path / "secret")
+    os.mkfifo(source / "tokenizer.json")  # read, it would block the export
+    (source / "vocab.json").write_text('{"a": 0}\n')
+    (source / "tokenizer_extra").mkdir()  # a directory: not a tokenizer file, passed over
+    logger = logging.getLogger("ddptrain")
+    logger.addHandler(caplog.handler)
+    try:
+        _copy_tokenizer(source, out)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert sorted(p.name for p in out.iterdir()) == ["vocab.json"]
+    assert (out / "vocab.json").read_text() == '{"a": 0}\n'
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "2 file(s)" in warnings[0], warnings
+    assert "tokenizer.json" in warnings[0] and "tokenizer_config.json" in warnings[0]

@@ -165,7 +165,7 @@ def test_a_damaged_directory_is_refused_alike_on_every_rank_each_file_checked_on
     _llama(1).save_pretrained(exported, max_shard_size="100KB")
     from ddptrain.files import write_sums
 
-    write_sums(exported, [p.name for p in exported.glob("*.safetensors")])
+    write_sums(exported)  # every file: config.json, generation_config.json, shards, index
     victim = sorted(exported.glob("*.safetensors"))[1]  # rank 1's share: files 1, 3, ...
     with victim.open("r+b") as f:
         f.seek(victim.stat().st_size - 16)

@@ -71,8 +71,12 @@ def mix_weights(entries: list[str]) -> list[tuple[str, float]]:
             return None
         return (name, weight) if sep and name and math.isfinite(weight) and weight > 0 else None
 
-    return _keyed("mix", entries, parse, "give DATASET=WEIGHT with a positive weight, e.g. "
-                  "--mix chars=0.7 mymod:code=0.3", ("", "dataset"))
+    weights = _keyed("mix", entries, parse, "give DATASET=WEIGHT with a positive weight, e.g. "
+                     "--mix chars=0.7 mymod:code=0.3", ("", "dataset"))
+    if not math.isfinite(sum(w for _, w in weights)):  # each finite, their sum not: 1e308 x 2
+        bad("mix", " ".join(map(str, entries)), "the weights sum past the largest float; "
+            "give weights of the same proportions that sum to 1, e.g. chars=0.7 code=0.3")
+    return weights
 
 
 def val_sets(entries: list[str]) -> list[tuple[str, str]]:
@@ -117,3 +121,30 @@ def names_code(field: str, value: Any) -> bool:
     if field not in CODE_FIELDS or not isinstance(value, str):
         return False
     return not (field == "model" and value.startswith("hf:")) and is_import_ref(value)
+
+
+# The key=value fields given to what `--model`, `--dataset` and `--task` build (a Hugging
+# Face directory's `from_pretrained`, a user's function, which may hand them on to one).
+ARGS_FIELDS = ("model_args", "dataset_args", "task_args")
+# Their entries that make transformers or `datasets` run code from elsewhere: a
+# directory's own Python (`auto_map`) or a dataset script, and kernels from the hub.
+_CODE_SWITCHES = ("trust_remote_code", "use_kernels")
+
+
+def code_args(value: Any) -> dict[str, Any]:
+    """The entries of a `--model_args`-like mapping that lead to code nobody named as
+    `module:fn`: `trust_remote_code` or `use_kernels` set, an `*_implementation` that is a
+    hub repository (`org/name`, an attention kernel), at any depth (an entry whose value
+    holds one counts whole)."""
+    def runs(key: Any, item: Any) -> bool:
+        if key in _CODE_SWITCHES:
+            return bool(item) and str(item).strip().lower() not in ("false", "0", "no", "off")
+        if isinstance(item, str) and str(key).endswith("_implementation") and "/" in item:
+            return True
+        if isinstance(item, dict):
+            return any(runs(k, v) for k, v in item.items())
+        if isinstance(item, (list, tuple)):
+            return any(runs(key, v) for v in item)
+        return False
+
+    return {k: v for k, v in value.items() if runs(k, v)} if isinstance(value, dict) else {}

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,23 +36,30 @@ from ddptrain.checkpoint.streamed import (
     SafetensorsStream,
     Target,
     hf_shards,
+    metadata_damage,
     plain_items,
     shard_names,
+    with_metadata_sum,
     write_files,
 )
 from ddptrain.context import DistributedContext
+from ddptrain.errors import few
 from ddptrain.files import (
     SUMS_FILE,
     atomic_write_text,
     check_output,
+    file_crc,
     refuse_special,
     staged,
     staged_dir,
+    summed_names,
     temp_name,
     write_sums,
 )
 from ddptrain.models.hf import renames_weights
 from ddptrain.parallel.lora import ADAPTER, LoraSpec, is_adapter, merged
+
+log = logging.getLogger("ddptrain")
 
 
 def export_safetensors_state(state: dict[str, torch.Tensor], out: Path,
@@ -71,8 +80,8 @@ def export_safetensors_state(state: dict[str, torch.Tensor], out: Path,
     shared = _remove_duplicate_names(weights)  # {kept name: [aliases of the same tensor]}
     aliases = {alias: name for name, names in shared.items() for alias in names}
     tensors = {k: v.cpu().contiguous() for k, v in weights.items() if k not in aliases}
-    metadata = {"format": "pt", **{f"tied:{a}": n for a, n in aliases.items()},
-                **safetensors_sums(tensors)}
+    metadata = with_metadata_sum({"format": "pt", **{f"tied:{a}": n for a, n in aliases.items()},
+                                  **safetensors_sums(tensors)})
     with staged(out, overwrite) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
     return len(tensors)
@@ -154,7 +163,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
             f"weights file {str(path)!r} is damaged or not a safetensors file ({reason}): "
             "export it again with `ddptrain export`, or give a checkpoint"
         ) from None
-    damage = safetensors_damage(state, metadata)
+    damage = metadata_damage(metadata) or safetensors_damage(state, metadata)
     if damage is not None:
         raise CheckpointError(
             f"weights file {str(path)!r} is damaged: {damage}: export it again with "
@@ -171,7 +180,11 @@ def safetensors_share_damage(path: Path, rank: int, ranks: int) -> str | None:
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            text = (f.metadata() or {}).get(SAFETENSORS_SUMS)
+            metadata = f.metadata() or {}
+            damage = metadata_damage(metadata)
+            if damage is not None:
+                return f"{path.name}: {damage}"
+            text = metadata.get(SAFETENSORS_SUMS)
             if text is None:
                 return None
             expected = json.loads(text)
@@ -217,17 +230,47 @@ def export_hf_dir(
             partial, state_dict=state, safe_serialization=True, is_main_process=True
         )
         _copy_tokenizer(source, partial)
-        # its weight shards' checksums, checked before `hf:DIR` or `--init_from DIR` uses them
-        write_sums(partial, [p.name for p in partial.glob("*.safetensors")])
+        # every file's checksum (weights, index, configs, tokenizer), checked before
+        # `hf:DIR` or `--init_from DIR` uses them; a file added later is damage too
+        write_sums(partial)
 
 
 def _copy_tokenizer(source: Path | None, directory: Path) -> None:
-    """The tokenizer files of the directory a model came from, copied into its export."""
-    if source is not None:
-        for pattern in TOKENIZER_FILES:
-            for file in source.glob(pattern):
-                if file.is_file() and not (directory / file.name).exists():
-                    shutil.copy2(file, directory / file.name)
+    """The tokenizer files of the directory a model came from, copied into its export:
+    regular files only, read without following a link (a link, to a secret or anywhere,
+    and a device or FIFO are left out, with one warning)."""
+    if source is None:
+        return
+    skipped = []
+    for file in sorted({f for pattern in TOKENIZER_FILES for f in source.glob(pattern)}):
+        target = directory / file.name
+        mode = os.lstat(file).st_mode
+        if os.path.lexists(target) or stat.S_ISDIR(mode):
+            continue
+        fd = _open_regular(file) if stat.S_ISREG(mode) else None
+        if fd is None:
+            skipped.append(file.name)
+            continue
+        with os.fdopen(fd, "rb") as f, open(target, "xb") as out:
+            shutil.copyfileobj(f, out)
+        shutil.copystat(file, target, follow_symlinks=False)
+    if skipped:
+        log.warning("hf/: %d file(s) of %s left out, being links or not regular files "
+                    "(%s): copy the files themselves there to export them",
+                    len(skipped), source, few(skipped))
+
+
+def _open_regular(path: Path) -> int | None:
+    """A descriptor of the regular file `path`, not through a link; None for anything else
+    (a link put there since it was looked at)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    os.close(fd)
+    return None
 
 
 def export_adapter(state: dict[str, torch.Tensor], out: Path, lora: LoraSpec) -> None:
@@ -239,7 +282,7 @@ def export_adapter(state: dict[str, torch.Tensor], out: Path, lora: LoraSpec) ->
     with staged_dir(out) as partial:
         export_safetensors_state(weights, partial / "adapter_model.safetensors")
         lora.peft_config().save_pretrained(str(partial))
-        write_sums(partial, ["adapter_model.safetensors"])
+        write_sums(partial)
 
 
 @dataclass(frozen=True)
@@ -309,6 +352,8 @@ def _hf_files(hf: HfExport, directory: Path, files: list[Target], catalog: Catal
         atomic_write_text(directory / "model.safetensors.index.json",
                           json.dumps(index, indent=2) + "\n")
     _copy_tokenizer(hf.source, directory)
+    # the other files' (config, index, tokenizer: small) read here; the weights' as written
+    sums.update({n: file_crc(directory / n) for n in summed_names(directory) if n not in sums})
     atomic_write_text(directory / SUMS_FILE, json.dumps(sums, indent=1, sort_keys=True) + "\n")
 
 

@@ -48,6 +48,7 @@ from ddptrain.checkpoint.dcp import (
     read_meta,
 )
 from ddptrain.checkpoint.export import safetensors_share_damage
+from ddptrain.checkpoint.streamed import metadata_damage
 from ddptrain.context import DistributedContext
 from ddptrain.errors import few
 from ddptrain.files import SUMS_FILE, refuse_special, sums_damage
@@ -139,6 +140,10 @@ def _safetensors_shapes(path: Path, flag: str = FLAG) -> tuple[Shapes, dict[str,
                 meta = f.metadata() or {}
         except Exception as exc:
             raise _unreadable(file, exc, flag) from None
+        damage = metadata_damage(meta)  # the ties are taken only as the export wrote them
+        if damage is not None:
+            raise CheckpointError(f"{flag} {str(file)!r} is damaged: {damage}: export it "
+                                  "again, or give another file")
         ties.update({k[4:]: v for k, v in meta.items() if k.startswith("tied:")})
     return shapes, ties
 

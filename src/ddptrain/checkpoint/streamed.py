@@ -39,6 +39,37 @@ DTYPES = {
     torch.float8_e5m2: "F8_E5M2",
 }
 HF_SHARD_BYTES = 5 * 10**9  # transformers' own default largest shard (`max_shard_size`)
+# A safetensors file's metadata entry that carries the CRC-32 of all its others (ties,
+# the tensors' checksums, format): what a loader acts on is checked like the tensors.
+METADATA_SUM = "ddptrain:metadata"
+
+
+def _metadata_crc(entries: dict[str, str]) -> str:
+    text = json.dumps({k: v for k, v in entries.items() if k != METADATA_SUM},
+                      sort_keys=True, separators=(",", ":"))
+    return f"{zlib.crc32(text.encode()):08x}"
+
+
+def with_metadata_sum(metadata: dict[str, str]) -> dict[str, str]:
+    """`metadata` and the checksum of its entries, as ddptrain writes a safetensors file."""
+    return {**metadata, METADATA_SUM: _metadata_crc(metadata)}
+
+
+def metadata_damage(metadata: dict[str, str]) -> str | None:
+    """What is wrong with the metadata of a safetensors file ddptrain wrote (one carrying
+    its tensors' checksums) against the checksum of its entries, or None (also for
+    another tool's file). A file without that checksum (written before it) may hold
+    nothing but its format and tensor checksums: a tie is never taken unchecked."""
+    if SAFETENSORS_SUMS not in metadata and METADATA_SUM not in metadata:
+        return None
+    stored = metadata.get(METADATA_SUM)
+    if stored is None:
+        unchecked = sorted(set(metadata) - {"format", SAFETENSORS_SUMS})
+        return (None if not unchecked else f"its metadata entry {unchecked[0]!r} has no "
+                f"checksum ({METADATA_SUM})")
+    if stored != _metadata_crc(metadata):
+        return f"its metadata (ties, checksums) does not match its checksum ({METADATA_SUM})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -138,7 +169,8 @@ class SafetensorsStream:
         self.file.write(b"\0" * (8 + self.room))
 
     def _header_bytes(self, sums: dict[str, list[int]]) -> bytes:
-        metadata = {**self.metadata, SAFETENSORS_SUMS: json.dumps(sums, separators=(",", ":"))}
+        metadata = with_metadata_sum(
+            {**self.metadata, SAFETENSORS_SUMS: json.dumps(sums, separators=(",", ":"))})
         return json.dumps({"__metadata__": metadata, **self.header},
                           separators=(",", ":")).encode()
 

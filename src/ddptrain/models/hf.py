@@ -55,12 +55,17 @@ def build_hf(
 ) -> nn.Module:
     """The model in `hf:DIR` for `task`: pretrained weights (what the directory lacks from
     `start_values`), or (on the meta device) only the structure they fill; the directory's
-    checksums are checked by the ranks that read it."""
+    checksums are checked by the ranks that read it (its config and index here, before
+    they are read). Its own code (`auto_map`) runs only with `trust_remote_code` in `args`,
+    which a later command takes from a run's stored config only when named again
+    (`train.inference.source_config`)."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # the run's own lines say what happens
     directory = hf_dir(name)
-    damage = sums_damage(directory) if device.type != "meta" else None
+    # on the meta device the files read here (config, index) alone: the weights' by the
+    # ranks that read them (`checkpoint.init.fill_pretrained`)
+    damage = sums_damage(directory, weights=device.type != "meta")
     if damage is not None:
         raise ConfigError(f"--model {name}: {str(directory)!r} is damaged: {damage}: export "
                           "it again, or give another directory")

@@ -5,16 +5,19 @@ whole set or applied to every sample of one (`ddptrain.train.predict`).
     torchrun --standalone --nproc_per_node=2 -m ddptrain evaluate runs/mine --dataset digits
     ddptrain evaluate runs/mine/checkpoints/step_000000040.pt --output metrics.json
 
-What is given is a run directory (its `config.yaml`, and `model.safetensors` or else its
-newest whole checkpoint), a checkpoint (a `.pt` file or a DCP step directory, which carry
-the config they were written under) or a `.safetensors` file beside a `config.yaml`. Every
-rank rebuilds the whole model (plain, unwrapped: evaluation and prediction run no
-backward) and loads the weights after their checksums are checked.
+What is given is a run directory (its `config.yaml`, and `model.safetensors` where its
+`finished.json` names the run's newest checkpoint, else that checkpoint), a checkpoint (a
+`.pt` file or a DCP step directory, which carry the config they were written under) or a
+`.safetensors` file beside a `config.yaml`. Every rank rebuilds the whole model (plain,
+unwrapped: evaluation and prediction run no backward) and loads the weights after their
+checksums are checked.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +36,10 @@ from ddptrain.checkpoint import (
 )
 from ddptrain.checkpoint.common import check_model_state
 from ddptrain.checkpoint.dcp import follow_pointer, is_whole
+from ddptrain.checkpoint.finished import exports_current
 from ddptrain.config import TrainingConfig
 from ddptrain.config_cli import build_parser, config_file_fields, load_yaml
-from ddptrain.config_values import CODE_FIELDS, OBJECT_FIELDS, names_code
+from ddptrain.config_values import ARGS_FIELDS, CODE_FIELDS, OBJECT_FIELDS, code_args, names_code
 from ddptrain.context import DistributedContext
 from ddptrain.data import DataBundle, ModelCall, make_val_loader
 from ddptrain.errors import ConfigError
@@ -45,6 +49,7 @@ from ddptrain.train.evaluate import Evaluator
 from ddptrain.train.precision import Precision
 from ddptrain.train.tasks import Scorer, Task, head_size
 
+log = logging.getLogger("ddptrain")
 SPLITS = ("val", "train")
 # How a run trained: evaluation and prediction step no optimizer and run the whole plain
 # model on every rank, whatever the layout and the number of ranks.
@@ -101,18 +106,29 @@ def _run_dir(path: Path) -> Source:
         )
     config = load_yaml(str(config_file))
     weights = path / "model.safetensors"
-    if weights.is_file():
-        return Source(config, weights)
+    if weights.is_file():  # the run's own export, if it is its newest checkpoint's
+        newest = find_resumable(_checkpoint_dir(path, config), torch.device("cpu"))
+        if newest is None or exports_current(path, newest[1], whole=False):
+            return Source(config, weights)
+        log.warning(
+            "%s is not the export of the run's newest checkpoint (%s): the run trained on "
+            "after it, or stopped before its exports were written (a resume with "
+            "--resume_from auto writes them); using that checkpoint", weights, newest[0].name,
+        )
     return Source(config, newest_checkpoint(path, config))
+
+
+def _checkpoint_dir(run_dir: Path, config: Mapping[str, Any]) -> Path:
+    if config.get("checkpoint_dir"):
+        return Path(config["checkpoint_dir"])
+    return run_dir / "checkpoints"
 
 
 def newest_checkpoint(run_dir: Path, config: Mapping[str, Any] | None = None) -> Path:
     """The newest whole checkpoint of a run directory (`ddptrain export RUN_DIR`)."""
     if config is None:
         config = load_yaml(str(run_dir / "config.yaml"))
-    ckpt_dir = Path(config["checkpoint_dir"]) if config.get("checkpoint_dir") else (
-        run_dir / "checkpoints"
-    )
+    ckpt_dir = _checkpoint_dir(run_dir, config)
     found = find_resumable(ckpt_dir, torch.device("cpu"), verify=True)
     if found is None:
         raise ConfigError(
@@ -137,7 +153,10 @@ def source_config(
     tracker) is dropped. Code the stored config names (`module:fn`) is imported only where
     the user names that field again (in `argv`, their `--config` file or `fields`; `given`:
     the fields an object of theirs stands in for), or with `trust_code`: a downloaded
-    checkpoint or run directory runs nothing the user did not ask for."""
+    checkpoint or run directory runs nothing the user did not ask for. So too a stored
+    `--model_args` (`--dataset_args`, `--task_args`) entry that lets transformers run code
+    (`trust_remote_code`: a directory's `auto_map`; `config_values.code_args`): used only
+    where the user gives that entry again, or with `trust_code`."""
     names = {f.name for f in dataclasses.fields(TrainingConfig)}
     stored = {k: v for k, v in source.config.items() if k in names}
     parser = build_parser(prog)
@@ -147,9 +166,19 @@ def source_config(
     parser.set_defaults(**{**stored, **own})
     parser.set_defaults(**{name: _Unnamed() if isinstance(defaults[name], list) else unnamed
                            for name in CODE_FIELDS if name not in own})
+    # the user's own entries of the key=value fields, the stored ones merged under them
+    parser.set_defaults(**{name: dict(own.get(name) or {}) for name in ARGS_FIELDS})
     args = vars(parser.parse_args(list(argv)))
     args.pop("config", None)
     named = set(fields or {}) | set(given)
+    stored_args: list[str] = []  # stored entries that would run code: "--field key=value"
+    for name in ARGS_FIELDS:
+        mine = args[name]
+        if name not in own:  # a --config file's mapping replaces the stored one, as a flag adds
+            args[name] = {**(stored.get(name) or {}), **mine}
+        if name not in (fields or {}):
+            stored_args += [f"--{name} {key}={_flag_value(value)}"
+                            for key, value in code_args(args[name]).items() if key not in mine]
     for name in CODE_FIELDS:
         value = args[name]
         if value is unnamed or (isinstance(value, _Unnamed) and not value):
@@ -171,9 +200,9 @@ def source_config(
     args["given_in_python"] = [n for n in OBJECT_FIELDS if n in given]
     stored_code = [n for n in CODE_FIELDS if n not in named and n not in _NOT_AFTER
                    and names_code(n, args[n])]
-    if stored_code and not trust_code:
-        flags = " ".join(f"--{n} {' '.join(v) if isinstance(v := args[n], list) else v}"
-                         for n in stored_code)
+    if (stored_code or stored_args) and not trust_code:
+        flags = " ".join([*(f"--{n} {' '.join(v) if isinstance(v := args[n], list) else v}"
+                            for n in stored_code), *stored_args])
         raise ConfigError(
             f"the config stored with {str(source.weights)!r} names code to import and run "
             f"({flags}); ddptrain runs only code your command names: give {flags} again "
@@ -181,6 +210,11 @@ def source_config(
         )
     config = dataclasses.replace(TrainingConfig(**args), **{**(fields or {}), **_NOT_AFTER})
     return config.validate()
+
+
+def _flag_value(value: Any) -> str:
+    """A key=value entry's value as the command line gives it (read back as YAML)."""
+    return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
 def check_split(split: str) -> None:
