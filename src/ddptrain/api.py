@@ -22,6 +22,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from ddptrain.config import TrainingConfig
 from ddptrain.config_values import OBJECT_FIELDS
 from ddptrain.errors import ConfigError, TrainingStopped
+from ddptrain.files import LinkRefused, own_dir
 from ddptrain.launch.rundir import (
     RunClaim,
     new_run_id,
@@ -53,11 +56,15 @@ log = logging.getLogger("ddptrain")
 def make_run_dirs(config: TrainingConfig) -> None:
     """Create the run and checkpoint directories, or say why they cannot be written."""
     for directory, flag in ((config.run_dir, "output_dir"), (config.ckpt_dir, "checkpoint_dir")):
+        # the default checkpoints/ a real folder of the run's, never a link planted there
+        inside = directory != config.run_dir and directory.is_relative_to(config.run_dir)
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            probe = directory / ".write-test"
-            probe.write_bytes(b"")
-            probe.unlink()
+            own_dir(directory, config.run_dir if inside else None)
+            fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=directory)  # made new
+            os.close(fd)
+            os.unlink(probe)
+        except LinkRefused:
+            raise
         except OSError as exc:
             raise ConfigError(
                 f"--{flag} {str(directory)!r} is not writable ({exc.strerror}): "
@@ -194,15 +201,23 @@ def resolve_run(
     return Resolved(config, cluster, device, backend, precision, strategy, data, task, startup)
 
 
+class _Claim(RunClaim):
+    """The claim, and once the run has ended whole (its exports and summary written) the
+    checkpoint they came from (`checkpoint.finished.ended_at`), recorded last."""
+
+    ended: dict[str, Any] | None = None
+
+
 @contextlib.contextmanager
-def claim_run_dir(run: Resolved) -> Iterator[RunClaim]:
+def claim_run_dir(run: Resolved) -> Iterator[_Claim]:
     """Rank 0 refuses another run's directory and takes the directory's lock; yields the
     claim, its config with the run id. `config.yaml` (with the run id) and `.job` are
     written by `claim.commit()` once the trainer is built; a start that fails before its
     first step leaves the directory as it found it. On the way out the curves drawing
-    finishes before the lock goes, so a finished job's directory is whole."""
+    finishes before the lock goes, and then `finished.json` (`claim.ended`) is written,
+    last: a finished job's directory is whole, and says so."""
     main = run.cluster.rank == 0
-    claim = RunClaim(run.config, main)
+    claim = _Claim(run.config, main)
     failed = True
     try:
         claim.take(make_run_dirs)
@@ -215,13 +230,19 @@ def claim_run_dir(run: Resolved) -> Iterator[RunClaim]:
         from ddptrain.observe.plot import wait_for_drawings
 
         wait_for_drawings()  # curves.png, drawn while the group tore down: in before the lock goes
-        if failed:
-            claim.give_back()
-        claim.release()
+        try:
+            if failed:
+                claim.give_back()
+            elif main and claim.ended is not None:
+                from ddptrain.checkpoint.finished import write_finished
+
+                write_finished(claim.config.run_dir, claim.ended)
+        finally:
+            claim.release()
 
 
 def _run_in_group(
-    run: Resolved, model: Any, hooks: Sequence[Any], claim: RunClaim | None = None
+    run: Resolved, model: Any, hooks: Sequence[Any], claim: _Claim | None = None
 ) -> dict[str, Any]:
     """Start the process group, train, and tear it down whatever happens."""
     from ddptrain.launch.process_group import setup_distributed, teardown_distributed
@@ -263,12 +284,16 @@ def _with_run_id(config: TrainingConfig) -> TrainingConfig:
 def _finished_summary(run: Resolved, model: Any) -> dict[str, Any] | None:
     """A resume of a run that already finished: say so, touch nothing, return its summary.
     A checkpoint of another model, task or optimizer is refused first: "finished" would
-    claim a run this command never asked for."""
+    claim a run this command never asked for. A run that trained to its end but whose
+    exports were not all written (a kill, a SIGTERM or a full disk during them: no
+    `finished.json` naming its final checkpoint) has not finished: None, and the run goes
+    on to write them from that checkpoint."""
     import json
 
     import torch
 
     from ddptrain.checkpoint import find_resumable, load_named
+    from ddptrain.checkpoint.finished import FINISHED, exports_current
 
     config = run.config
     source = config.resume_from
@@ -286,6 +311,11 @@ def _finished_summary(run: Resolved, model: Any) -> dict[str, Any] | None:
     if unfinished and not stopped:
         return None
     _refuse_another_model(run, model, path, payload)
+    if not exports_current(config.run_dir, payload):
+        log.info("the run in %s trained to its end (%s), but its exports were not all written "
+                 "(no %s naming that checkpoint: stopped during the export?): writing them "
+                 "from it", config.run_dir, path.name, FINISHED)
+        return None
     if stopped:
         log.info(
             "the run in %s already finished: it stopped early (%s): nothing to do, its "
@@ -396,7 +426,7 @@ def _resolve_config(config: TrainingConfig | None, fields: dict[str, Any]) -> Tr
 
 
 def _fit(
-    run: Resolved, ctx: Any, model: Any, hooks: Sequence[Any], claim: RunClaim | None
+    run: Resolved, ctx: Any, model: Any, hooks: Sequence[Any], claim: _Claim | None
 ) -> dict[str, Any]:
     """Build and run the trainer; once it is built (every check of the start passed, a
     resume's checkpoint accepted) the claim marks the directory as this run's. Its model,
@@ -416,7 +446,10 @@ def _fit(
     if claim is not None:
         claim.commit()  # every rank has read the directory's job (resolve_run) by now
     try:
-        return trainer.fit()
+        summary = trainer.fit()
+        if claim is not None:
+            claim.ended = trainer.ended  # (rank 0's) recorded once the group is down
+        return summary
     except RuntimeError as exc:  # torch.OutOfMemoryError is one
         if not oom.is_out_of_memory(exc):
             raise
@@ -473,8 +506,10 @@ def evaluate(
     check_split(split)
     if output is not None:
         from ddptrain.files import check_output
+        from ddptrain.train.predict import check_writable
 
         check_output(Path(output), "--output", overwrite)
+        check_writable(Path(output), "--output")  # a read-only filesystem: before the work
 
     def work(run: Resolved, ctx: Any, module: Any) -> dict[str, float]:
         dataset = pick_split(run.data, split)
@@ -488,11 +523,11 @@ def evaluate(
     if output is not None and rank == 0:
         import json
 
-        from ddptrain.files import atomic_write_text
+        from ddptrain.train.predict import write_output
 
         record = {"source": str(source_path), "dataset": config.dataset, "split": split,
                   **figures}
-        atomic_write_text(Path(output), json.dumps(record, indent=2) + "\n", overwrite)
+        write_output(Path(output), json.dumps(record, indent=2) + "\n", overwrite)
     return figures
 
 

@@ -16,6 +16,7 @@ other exit codes are listed in `ddptrain.errors`.
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import re
@@ -30,6 +31,7 @@ from ddptrain.config import TrainingConfig
 from ddptrain.config_cli import ErrorParser, parse_config
 from ddptrain.errors import (
     EXIT_INTERRUPTED,
+    EXIT_IO,
     EXIT_PEER_LOST,
     EXIT_USAGE,
     ConfigError,
@@ -97,11 +99,25 @@ def _cmd_export(argv: list[str]) -> int:
                         help="replace the output file if it exists")
     args = parser.parse_args(argv)
     checkpoint = args.checkpoint
+    from ddptrain.checkpoint.finished import write_errno
+    from ddptrain.train.predict import check_writable
+
+    check_writable(args.output, "output")  # a read-only filesystem: one line before any work
     if checkpoint.is_dir() and (checkpoint / "config.yaml").is_file():
         from ddptrain.train.inference import newest_checkpoint
 
         checkpoint = newest_checkpoint(checkpoint)  # a run directory
-    count = export_safetensors(checkpoint, args.output, args.overwrite)
+    try:
+        count = export_safetensors(checkpoint, args.output, args.overwrite)
+    except Exception as exc:  # a write that fails (a full disk): one line, as train's
+        code = write_errno(exc)
+        if code is None:
+            raise
+        denied = code in (errno.EROFS, errno.EACCES, errno.EPERM)  # as an unwritable --output_dir
+        _report(f"error: could not write {str(args.output)!r}: {os.strerror(code)} (errno "
+                f"{code}) (nothing was left there): "
+                f"{'' if denied else 'free space or '}give another output")
+        return EXIT_USAGE if denied else EXIT_IO
     print(f"wrote {count} tensors to {args.output}")
     return 0
 
@@ -147,7 +163,9 @@ def _after_args(argv: list[str], prog: str, what: str, output_help: str) -> tupl
     parser.add_argument(
         "--trust_checkpoint_code", action="store_true",
         help="import and call the module:fn names the run's config stores (a --model, "
-        "--dataset, ... function) without naming them again: only for a source you trust",
+        "--dataset, ... function), and let its stored --model_args (--dataset_args, "
+        "--task_args) run a directory's own code (trust_remote_code), without naming them "
+        "again: only for a source you trust",
     )
     if argv and argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -329,6 +347,8 @@ def _main(argv: list[str]) -> int:
         return EXIT_USAGE
     except TrainingStopped as exc:
         _report(f"stopped: {exc}")
+        if getattr(exc, "alone", False):  # this rank's own failure (an export it wrote)
+            _own_end(str(exc))
         _note_exit(exc.exit_code)
         return exc.exit_code
     except Exception as exc:

@@ -20,11 +20,13 @@ all (a temporary name, renamed once every row is in).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import json
 import math
 import os
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -40,8 +42,8 @@ from ddptrain.context import DistributedContext, gather_to_main
 from ddptrain.data import ModelCall, make_val_loader, split, to_device
 from ddptrain.data.loader import read
 from ddptrain.errors import ConfigError
+from ddptrain.files import atomic_write_text, publish, temp_name
 from ddptrain.files import check_output as check_new_output
-from ddptrain.files import publish, temp_name
 from ddptrain.train.precision import Precision
 
 SUFFIXES = (".npy", ".pt", ".jsonl")
@@ -58,6 +60,36 @@ def check_output(path: Path, overwrite: bool = False) -> None:
     if path.is_dir():
         raise ConfigError(f"--output {str(path)!r} is a directory: give a file name")
     check_new_output(path, "--output", overwrite)
+    check_writable(path, "--output")
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Refuse, before any work, an output whose folder cannot be written (a read-only
+    filesystem, no permission, a file in its way): a file is created in the nearest folder
+    of `path` that exists, and removed (exit 2, as `ddptrain train` refuses an
+    --output_dir it cannot write)."""
+    folder = path.absolute().parent
+    while not os.path.lexists(folder) and folder != folder.parent:
+        folder = folder.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {str(path)!r} cannot be written ({str(folder)!r}: "
+            f"{exc.strerror or exc}): choose a directory you can write to"
+        ) from None
+
+
+def write_output(path: Path, text: str, overwrite: bool) -> None:
+    """A small output (`evaluate --output`) written whole, or one line saying why not."""
+    try:
+        atomic_write_text(path, text, overwrite)
+    except OSError as exc:
+        if isinstance(exc, ConfigError):  # a link refused: as it is
+            raise
+        raise ConfigError(_why(exc, path)) from None
 
 
 @torch.no_grad()
@@ -77,8 +109,13 @@ def predict_set(
     module.eval()
     # Rank 0's shard is the longest (ceil(n / N) samples): every rank runs its rounds.
     rounds = math.ceil(math.ceil(n / ctx.world_size) / config.batch_size)
-    sink = _writer(output, n, overwrite) if ctx.is_main else None
+    sink: _Writer | None = None
     failure: str | None = None
+    if ctx.is_main:
+        try:
+            sink = _writer(output, n, overwrite)
+        except OSError as exc:  # the peers still gather and learn it (`_agree`)
+            failure = _why(exc, output)
     try:
         for _ in range(rounds):
             batch = next(loader, None)
@@ -148,9 +185,10 @@ def _agree(failure: str | None, ctx: DistributedContext) -> str | None:
 
 def _why(exc: BaseException, output: Path) -> str:
     if isinstance(exc, OSError):
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
         return (
             f"could not write {str(output)!r}: {exc.strerror or exc} "
-            "(nothing was left there): free space or give another --output"
+            f"(nothing was left there): {'free space or ' if full else ''}give another --output"
         )
     return str(exc)
 

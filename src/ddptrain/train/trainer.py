@@ -34,6 +34,7 @@ from torch import nn
 
 from ddptrain.checkpoint import Checkpointer, Progress
 from ddptrain.checkpoint.export import export_run
+from ddptrain.checkpoint.finished import clear_finished, ended_at, writing_exports
 from ddptrain.checkpoint.rng import gather_rng_states, seed_process
 from ddptrain.context import DistributedContext, gather_to_main
 from ddptrain.data import (
@@ -268,10 +269,14 @@ class Trainer:
         self._t_fit = time.perf_counter()
         val: dict[str, float] = {}
         POSITION.update(run_dir=str(cfg.run_dir), progress=self.progress)  # (observe.hang)
+        self.ended: dict[str, Any] | None = None  # rank 0: the checkpoint exported from
+        last = 0 if "stop" in self.history else cfg.epochs  # a hook finished it (early stop)
+        if ctx.is_main:  # before the first step: the exports are the final ones no more
+            clear_finished(cfg.run_dir)
         try:
             with self.stop, StallWatch(cfg.run_dir, ctx.rank, ctx.world_size, cfg.timeout_s):
                 self.hooks.on_fit_start(self)
-                while (epoch := self.progress.epoch + 1) <= cfg.epochs:
+                while (epoch := self.progress.epoch + 1) <= last:
                     try:
                         val = self._epoch(epoch)
                     except SteeredStop:
@@ -282,16 +287,22 @@ class Trainer:
                     if self.steer.agreed:
                         break
             self.checkpoints.close()
+            if self.first_step_s is None:  # it had ended, its exports cut short: its figures
+                val = self._validate()
+                self.steer.agreed = self.steer.agreed or (self.history.get("stop") or {}).get(
+                    "reason")
             summary = self._summary(val)
             if cfg.export == "best":
                 summary["exported"] = take_best(self) or "last"
-            self._export()
-            if ctx.is_main:
-                text = json.dumps(summary, indent=2) + "\n"
-                atomic_write_text(cfg.run_dir / "summary.json", text)
-                if self.steer.agreed:
-                    log.info("stopped early at step %d: %s; best epoch %d",
-                             self.progress.step, self.steer.agreed, summary["best_epoch"])
+            with writing_exports(ctx.rank, cfg.run_dir):  # a full disk: one line, exit 74
+                self._export()
+                if ctx.is_main:
+                    text = json.dumps(summary, indent=2) + "\n"
+                    atomic_write_text(cfg.run_dir / "summary.json", text)
+                    self.ended = ended_at(cfg.ckpt_dir, cfg.run_id)
+            if ctx.is_main and self.steer.agreed:
+                log.info("stopped early at step %d: %s; best epoch %d",
+                         self.progress.step, self.steer.agreed, summary["best_epoch"])
             self.hooks.on_fit_end(self, summary)
         except BaseException:
             stop_workers(getattr(self.train_batches, "loader", None), *self.val_loaders.values())
@@ -315,11 +326,7 @@ class Trainer:
         """Train one epoch, validate, checkpoint when due or when it is the best so far."""
         cfg, t0, history = self.config, time.perf_counter(), self.history
         train = self.train_epoch(epoch)
-        val = self.evaluate()
-        if self.ema is not None:
-            self.checkpoints.settle()  # the swap writes the weights a save may be copying
-            with self.ema.swapped():
-                val.update({f"ema_{k}": v for k, v in self.evaluate().items() if k != "samples"})
+        val = self._validate()
         history["samples"] += train["samples"]
         history["train_time_s"] += time.perf_counter() - t0
         score = val.get(self.best_key, float("nan"))
@@ -562,6 +569,15 @@ class Trainer:
         if saved:  # mid-epoch resume: the epoch's figures continue from the checkpoint
             meter.restore(saved, self.ctx.is_main)
         return meter
+
+    def _validate(self) -> dict[str, float]:
+        """The epoch's validation figures, the EMA weights' as `ema_*` (collective)."""
+        val = self.evaluate()
+        if self.ema is not None:
+            self.checkpoints.settle()  # the swap writes the weights a save may be copying
+            with self.ema.swapped():
+                val.update({f"ema_{k}": v for k, v in self.evaluate().items() if k != "samples"})
+        return val
 
     def evaluate(self) -> dict[str, float]:
         """The task's figures over every validation sample exactly once (collective): the
