@@ -70,3 +70,16 @@ def killable_gpt(config: Any, vocab_size: int, block_size: int = 32) -> torch.nn
     kill = _KillSwitch()
     model.register_forward_pre_hook(lambda m, args: kill.tick() if m.training else None)
     return model
+
+
+def bad_ids(config: Any, token: int = VOCAB, stream: bool = False) -> tuple[Any, Any]:
+    """`documents` with one token id set to `token` (outside 0..VOCAB-1 by default) in
+    the fourth training document; `stream`: the training documents as a stream."""
+    train, val = documents(config)
+    train.docs[3][1] = token
+    return (DocumentStream(train) if stream else train), val
+
+
+def single_tokens(config: Any) -> tuple[Documents, Documents]:
+    """Documents of one token each: nothing in them to predict."""
+    return Documents([1] * 40, 1), Documents([1] * 8, 2)

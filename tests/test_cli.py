@@ -302,3 +302,48 @@ def test_ddps_unused_parameter_errors_are_one_line_naming_the_flag(
     err = _one_line_error(capsys, ["train"])
     assert all(n in err for n in needles), err
 
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--seed", "-1"], "--seed -1 is invalid: use a whole number in 0..4294967295"),
+    (["--seed", "1e23"], "argument --seed: expected int, got '1e23': give a whole number"),
+    (["--width", "1000000000"], "--width 1000000000 is invalid: use at most"),
+    # within the flag's range, past this host: counted on the meta device, never allocated
+    (["--width", str(2**20), "--epochs", "1"], "more than this host's memory"),
+])
+def test_seeds_and_widths_no_run_can_use_are_one_line_and_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    assert needle in _one_line_error(capsys, ["train", *argv, "--output_dir", str(run)])
+    assert not (run / "config.yaml").exists()
+
+
+def test_a_built_in_model_its_device_cannot_allocate_is_one_line(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the host check (its memory unknown), an allocation that fails is a line too."""
+    from ddptrain.config import TrainingConfig
+    from ddptrain.data import load_data
+    from ddptrain.errors import ConfigError
+    from ddptrain.models import factory
+
+    config = TrainingConfig(dataset="breast_cancer", model="mlp").validate()
+    data = load_data(config)
+    def unknown(name: str) -> int:
+        raise ValueError(name)
+
+    monkeypatch.setattr("os.sysconf", unknown)  # the host's memory cannot be told
+    real = factory._builtin
+
+    def failing(*args: object) -> torch.nn.Module:
+        model = real(*args)  # type: ignore[arg-type]
+        if next(model.parameters()).device.type != "meta":
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. "
+                               "DefaultCPUAllocator: can't allocate memory: you tried to "
+                               "allocate 120000000000 bytes. Error code 12")
+        return model
+
+    monkeypatch.setattr(factory, "_builtin", failing)
+    with pytest.raises(ConfigError, match="which cpu cannot allocate: lower --width"):
+        factory.create_model(config, data, 2, torch.device("cpu"))

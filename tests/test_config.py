@@ -187,3 +187,35 @@ def test_each_section_checks_its_own_fields_and_no_others() -> None:
                 elif name == "_at_least":  # (minimum, fix, *fields): the fields
                     refused.update(literals)
         assert refused <= set(fields), (section, refused - set(fields))
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--seed", "-1"], "--seed -1 is invalid: use a whole number in 0..4294967295"),
+        (["--seed", str(2**32)], f"--seed {2**32} is invalid: use a whole number in 0.."),
+        (["--seed", "1e23"], "expected int, got '1e23': give a whole number in digits"),
+        (["--width", "1000000000"], "--width 1000000000 is invalid: use at most 1,048,576"),
+        (["--pack", "--block_size", "1"], "--block_size 1 is invalid: --pack predicts"),
+    ],
+)
+def test_seeds_widths_and_packed_windows_out_of_range_are_refused(
+    argv: list[str], needle: str
+) -> None:
+    """Values every derived seed (seed + rank, + epoch, + a 32-bit hash) and numpy take;
+    widths a host can hold; packed windows with a token to predict."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(argv)
+    assert needle in str(err.value)
+
+
+def test_the_seed_bounds_themselves_parse_and_a_yaml_float_seed_is_refused(
+    tmp_path: Path
+) -> None:
+    assert parse_config(["--seed", "0"]).seed == 0
+    assert parse_config(["--seed", str(2**32 - 1)]).seed == 2**32 - 1
+    assert parse_config(["--pack", "--block_size", "2"]).block_size == 2
+    path = tmp_path / "run.yaml"
+    path.write_text("seed: 1.0e+23\n")  # a whole float: read as an int, then out of range
+    with pytest.raises(ConfigError, match="--seed 99999999999999991611392 is invalid"):
+        parse_config(["--config", str(path)])

@@ -158,3 +158,23 @@ def test_a_config_file_gives_a_mixture_as_a_mapping(tmp_path: Path) -> None:
                            "  val: {again: digits}\n")
     config = parse_config(["--config", str(config_file)])
     assert config.mix == ["digits=0.7", "mymod:code=0.3"] and config.val == ["again=digits"]
+
+
+def test_weights_whose_sum_overflows_are_one_line_and_exit_2(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Each weight finite and positive, their sum not (1e308 twice): refused with the
+    flags, before any data is read, not by numpy's draw."""
+    a, b = write_npz(tmp_path / "a.npz", 40), write_npz(tmp_path / "b.npz", 40, seed=1)
+    run = tmp_path / "run"
+    assert main(["train", "--mix", f"{a}=1e308", f"{b}=1e308", "--epochs", "1",
+                 "--output_dir", str(run)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ddptrain: error: --mix ") and (
+        "the weights sum past the largest float" in err[0]), err
+    assert not run.exists()
+    from ddptrain.errors import ConfigError
+
+    sources = [torch.arange(4), torch.arange(4)]
+    with pytest.raises(ConfigError, match="give finite positive weights whose sum is finite"):
+        Mixture(sources, ["a", "b"], [1e308, 1e308], seed=0)  # type: ignore[arg-type]

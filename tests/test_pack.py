@@ -36,7 +36,7 @@ def test_windows_hold_every_token_in_order_with_positions_and_labels_per_documen
     assert torch.equal(positions, expected_pos)
     labels = torch.cat([w["labels"] for w in windows])
     assert torch.equal(labels == IGNORE, positions == 0)  # each piece's first token only
-    assert packed.trained == 4 + 2 + 10 + 0 + 3
+    assert packed.trained == 4 + 2 + (7 + 2) + 0 + 3  # 11 cut in two: each piece's first
     rows = Packed(Documents([5, 3, 11, 1, 4], seed=0, as_dicts=True), 8, "rows")  # HF rows
     assert all(torch.equal(rows[w]["input_ids"], windows[w]["input_ids"]) for w in range(3))
     padded = Packed(Documents([5, 4], seed=0), 8, "docs")[1]  # 9 tokens: one padded window
@@ -189,3 +189,85 @@ def test_a_packed_stream_in_two_loader_workers_resumes_mid_epoch_bitwise(
     log = sigkill_then_resume(2, job, resumed, tmp_path, kill_at=4)
     assert "restarts from its beginning" not in log.stderr
     assert_bitwise(weights(resumed), weights(reference))
+
+
+def test_the_trained_share_counts_each_piece_a_window_cuts_and_none_is_refused() -> None:
+    """`trained` is what the windows' labels train (a cut document's second piece loses its
+    first token too), so the logged share is true; windows that train nothing (no loss to
+    count: a loss of nan, logged as trained) are refused."""
+    from ddptrain.errors import ConfigError
+
+    for lengths, block in (([5, 3, 11, 1, 4], 8), ([1, 2, 1, 9, 30, 2], 2), ([7], 3)):
+        packed = Packed(Documents(lengths, seed=0), block, "docs")
+        labels = torch.cat([packed[w]["labels"] for w in range(len(packed))])
+        assert packed.trained == int((labels != IGNORE).sum()), (lengths, block)
+    for lengths, block in (([4, 5], 1), ([1, 1, 1], 8), ([1, 2], 2)):  # [1, 2]: cut 1 | 1
+        with pytest.raises(ConfigError, match="leaves no token to predict"):
+            Packed(Documents(lengths, seed=0), block, "docs")
+    from packplug import DocumentStream
+
+    from ddptrain.data.pack import PackedStream
+
+    stream = PackedStream(DocumentStream(Documents([1] * 5, seed=0)), 4, "docs")
+    with pytest.raises(ConfigError, match="leaves no token to predict"):  # after a pass
+        list(stream)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--dataset", "packplug:documents", "--block_size", "1"],
+     "--block_size 1 is invalid: --pack predicts each token of a window from those before"),
+    (["--dataset", "packplug:single_tokens", "--block_size", "8"],
+     "'packplug:single_tokens' leaves no token to predict in windows of 8"),
+    (["--dataset", "packplug:bad_ids"], "document 3 of --dataset 'packplug:bad_ids' holds "
+     "token id 20, outside the dataset's vocabulary of 20"),
+    (["--dataset", "packplug:bad_ids", "--dataset_args", "token=-1"],
+     "holds token id -1, and token ids count from 0"),
+    # a stream's documents are checked as its windows are built: the first bad one
+    (["--dataset", "packplug:bad_ids", "--dataset_args", "token=25", "stream=true"],
+     "document 26 of --dataset 'packplug:bad_ids' (a stream) holds token id 25"),
+])
+def test_packed_documents_that_cannot_train_are_one_line_and_exit_2(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    run = tmp_path / "run"
+    assert main(["train", *args, "--pack", "--model", "gpt", "--width", "16", "--epochs", "1",
+                 "--no-tensorboard", "--no-curves", "--output_dir", str(run)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ddptrain: error:") and says in err[0], err
+    assert not (run / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("saved, workers", [(2, 1), (2, 0), (0, 2), (2, 2), (0, 0)])
+def test_a_packed_stream_resumed_with_other_loader_workers_restarts_its_epoch(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], saved: int, workers: int
+) -> None:
+    """A packed stream stopped mid-epoch with `saved` DataLoader workers (its position:
+    each worker's, torchdata's; without workers the stream's own) and resumed with another
+    `--num_workers`: the saved position is not one this loader can take, so the
+    interrupted epoch restarts, with one warning naming why (not torchdata's
+    AssertionError, or a KeyError, on every rank at every try). With as many workers as
+    before it goes on where it stood."""
+    pytest.importorskip("torchdata")
+    from steerplug import StopAt
+
+    from ddptrain import fit
+
+    run = tmp_path / "run"
+    settings: dict[str, Any] = {
+        "dataset": "packplug:stream", "pack": True, "block_size": 32, "model": "gpt",
+        "width": 32, "epochs": 2, "batch_size": 4, "num_workers": saved, "optimizer": "sgd",
+        "lr": 0.1, "log_interval": 1, "save_every_steps": 2, "tensorboard": False,
+        "output_dir": str(run),
+    }
+    stopped = fit(hooks=[StopAt(step=2)], **settings)
+    assert stopped["steps"] == 2 and stopped["stopped_early"]
+    capfd.readouterr()
+    done = fit(**{**settings, "num_workers": workers, "resume_from": "auto"})
+    assert not done.get("stopped_early")
+    said = capfd.readouterr()
+    warned = [x for x in (said.out + said.err).splitlines() if "restarts from its beginning" in x]
+    if saved == workers:
+        assert not warned, warned
+        return
+    assert len(warned) == 1, warned
+    assert f"--num_workers {saved}, this run has {workers}" in warned[0], warned

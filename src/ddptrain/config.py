@@ -37,6 +37,8 @@ BUILTIN_OPTIMIZERS = ("sgd", "adamw")
 BUILTIN_SCHEDULERS = ("cosine",)
 
 __all__ = ["SECTIONS", "ConfigError", "TrainingConfig"]
+SEED_MAX = 2**32 - 1  # numpy takes no seed < 0; + rank, epoch or a 32-bit hash stays < 2**64
+WIDTH_MAX = 2**20  # --width: beyond it no built-in model's layer fits a host (see _check_model)
 _DEFAULT_DATASET = "breast_cancer"
 
 
@@ -371,7 +373,7 @@ class TrainingConfig:
     )
     export_shard_mb: float = _f(5000, "largest weight file of hf/ in MB (transformers' "
                                 "max_shard_size): a bigger model gets several, each by one rank")
-    seed: int = _f(42, "seed of weights, data split, shuffling and workers")
+    seed: int = _f(42, "seed of weights, data split, shuffling and workers (0..4294967295)")
     dry_run: bool = _f(False, "print the run's plan and resolved config, then exit")
     run_id: str | None = _f(None, "the run's id (set by ddptrain on a fresh start, kept on resume)")
     given_in_python: list[str] = field(default_factory=list, metadata={"internal": True, "help": (
@@ -441,6 +443,9 @@ class TrainingConfig:
                               "data: give every dataset in --mix, and no --dataset")
         for ds in [name for name, _ in mix_weights(self.mix)] or [self.dataset]:
             check_dataset(BUILTIN_DATASETS, ds, "mix" if self.mix else "dataset")
+        if self.pack and self.block_size < 2:
+            _bad("block_size", self.block_size, "--pack predicts each token of a window from "
+                 "those before it, and a window of 1 has none: use --block_size 2 or more")
         if self.pack and (self.pp > 1 or self.sequence_parallel):
             flag = "--pp" if self.pp > 1 else "--sequence_parallel"
             raise ConfigError(f"--pack keeps documents apart with a mask that {flag} does not "
@@ -452,6 +457,8 @@ class TrainingConfig:
 
     def _check_model(self) -> None:
         self._at_least(1, "use a whole number of at least 1", "width")
+        if self.width > WIDTH_MAX:
+            _bad("width", self.width, f"use at most {WIDTH_MAX:,} (a layer: width x width weights)")
         self._at_least(1, "use a whole number of at least 1, or leave it unset",
                        "num_classes", "in_channels", "image_size")
         self._at_least(0, "use a weight of 0 (off) or more", "moe_aux_weight")
@@ -581,6 +588,8 @@ class TrainingConfig:
             _bad("ema_decay", self.ema_decay, "use a decay between 0 and 1, e.g. 0.999")
 
     def _check_runtime(self) -> None:
+        if not 0 <= self.seed <= SEED_MAX:
+            _bad("seed", self.seed, f"use a whole number in 0..{SEED_MAX}")
         if not self.timeout_s > 0:
             _bad("timeout_s", self.timeout_s, "use a positive number of seconds")
 

@@ -57,8 +57,9 @@ def _converter(name: str, tp: Any) -> Any:
         try:
             return base(text)
         except ValueError:
+            example = "a whole number in digits, e.g. 42" if base is int else "a number, e.g. 0.01"
             raise argparse.ArgumentTypeError(
-                f"expected {base.__name__}, got {text!r}"
+                f"expected {base.__name__}, got {text!r}: give {example}"
             ) from None
 
     convert.__name__ = base.__name__

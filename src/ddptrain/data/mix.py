@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,11 @@ class Mixture(Dataset):
         self.sources, self.names, self.vocab_size = sources, names, vocab_size
         sizes = [len(s) for s in sources]  # type: ignore[arg-type]
         total = sum(weights)
+        if not (all(math.isfinite(w) and w > 0 for w in weights) and math.isfinite(total)):
+            raise ConfigError(
+                f"--mix weights {', '.join(map(str, weights))} cannot be drawn by: give "
+                "finite positive weights whose sum is finite, e.g. 0.7 and 0.3"
+            )
         self.weights = [w / total for w in weights]
         generator = np.random.default_rng([seed, _STREAM])
         # 3 to 6 bytes a position on every rank (an epoch of 100M samples: 0.5 GB)

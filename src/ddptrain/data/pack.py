@@ -36,6 +36,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from ddptrain.data.bundle import DataBundle, DataFacts, attr_through
+from ddptrain.data.loader import WorkerSafeError
 from ddptrain.errors import ConfigError
 
 log = logging.getLogger("ddptrain")
@@ -68,24 +69,68 @@ def _tokens(document: Any, where: str) -> torch.Tensor:
     return tensor.long()
 
 
+def check_ids(tokens: torch.Tensor, vocab_size: int | None, which: str) -> None:
+    """Refuse a token id outside 0..vocab_size-1 (`vocab_size` None: a negative one), naming
+    `which` (the document) holds it: one min and one max of ids already read."""
+    if not len(tokens):
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0:
+        raise WorkerSafeError(
+            f"--pack: {which} holds token id {low}, and token ids count from 0"
+            + (f" (a vocabulary of {vocab_size}: 0..{vocab_size - 1})" if vocab_size else "")
+            + ": give the tokenizer's ids as they are (no -100 or other marker in input_ids)"
+        )
+    if vocab_size is not None and high >= vocab_size:
+        raise WorkerSafeError(
+            f"--pack: {which} holds token id {high}, outside the dataset's vocabulary of "
+            f"{vocab_size} (its vocab_size: ids 0..{vocab_size - 1}): tokenize with that "
+            "vocabulary, or give the dataset the vocab_size of its tokenizer"
+        )
+
+
+def nothing_to_predict(where: str, block_size: int) -> ConfigError:
+    """The refusal of documents whose windows leave no token to predict (no loss counted:
+    a run on them would train nothing and log a loss of nan)."""
+    return WorkerSafeError(
+        f"--pack: {where} leaves no token to predict in windows of {block_size}: each "
+        "piece of its documents a window holds is one token, and a piece's first token "
+        "has nothing before it: give documents of 2 tokens or more, or a larger --block_size"
+    )
+
+
 class Packed(Dataset):
     """`documents` laid end to end and cut into windows of `block_size` tokens (see the
-    module's text). Each document's length is read once, when the windows are planned."""
+    module's text). Each document is read once as the windows are planned: its length,
+    and its ids against the vocabulary (`check_ids`). A set whose windows leave no token
+    to predict (no loss to count) is refused."""
 
     def __init__(self, documents: Dataset, block_size: int, where: str,
                  vocab_size: int | None = None) -> None:
         self.documents, self.block_size, self.vocab_size = documents, block_size, vocab_size
         count = len(documents)  # type: ignore[arg-type]
-        lengths = [len(_tokens(documents[i], where)) for i in range(count)]
+        lengths = []
+        for i in range(count):  # each document read once: its length, its ids' range
+            tokens = _tokens(documents[i], where)
+            check_ids(tokens, vocab_size, f"document {i} of {where}")
+            lengths.append(len(tokens))
         self.starts = [0, *np.cumsum(lengths, dtype=np.int64).tolist()]
         self.documents_count = count
         self.tokens = self.starts[-1]
         if not self.tokens:
             raise ConfigError(f"--pack: {where} holds no tokens")
-        # each document trains all its tokens but the first; padding each to a window
-        # would spend a window (or more) on each
-        self.trained = sum(n - 1 for n in lengths if n)
-        self.padded = sum(-(-n // block_size) for n in lengths if n) * block_size
+        # Every token is trained but the first of each piece a window holds (nothing
+        # before it predicts it): a document cut by windows loses one more per cut.
+        # Padding each document to windows of its own would cut it ceil(n / block) times.
+        starts = np.asarray(self.starts, dtype=np.int64)
+        held = starts[1:] > starts[:-1]  # the documents with tokens: [a, b) in the stream
+        a, b = starts[:-1][held], starts[1:][held]
+        self.trained = self.tokens - int(((b - 1) // block_size - a // block_size + 1).sum())
+        alone = -(-(b - a) // block_size)
+        self.trained_alone = int((b - a - alone).sum())
+        self.padded = int(alone.sum()) * block_size
+        if not self.trained:
+            raise nothing_to_predict(where, block_size)
 
     def __len__(self) -> int:
         return -(-self.tokens // self.block_size)
@@ -144,10 +189,12 @@ class PackedStream(IterableDataset):
         self.given = 0
         ids: list[torch.Tensor] = []
         positions: list[torch.Tensor] = []
-        fill = 0
-        for document in self.documents:
+        fill = trained = 0
+        for n, document in enumerate(self.documents):
             tokens = _tokens(document, self.where)
+            check_ids(tokens, self.vocab_size, f"document {n} of {self.where} (a stream)")
             while len(tokens):
+                trained += min(len(tokens), self.block_size - fill) - 1
                 piece = tokens[:self.block_size - fill]
                 ids.append(piece)
                 positions.append(torch.arange(len(piece)))
@@ -158,6 +205,8 @@ class PackedStream(IterableDataset):
                     ids, positions, fill = [], [], 0
         if fill:
             yield from self._give(_window(ids, positions, self.block_size), skip)
+        if self.given and not trained:  # a whole pass, and no loss counted
+            raise nothing_to_predict(self.where, self.block_size)
 
     def _give(self, window: dict[str, torch.Tensor], skip: int) -> Any:
         self.given += 1
@@ -192,7 +241,8 @@ def pack_bundle(train: Dataset, val: Dataset, block_size: int, name: str) -> Dat
         "--pack: %s documents (%s tokens) in %s windows of %d: %.1f%% of window positions "
         "trained (padding each document to windows of %d: %.1f%%)",
         f"{packed.documents_count:,}", f"{packed.tokens:,}", f"{len(packed):,}", block_size,
-        100 * packed.efficiency, block_size, 100 * packed.trained / max(packed.padded, 1),
+        100 * packed.efficiency, block_size,
+        100 * packed.trained_alone / max(packed.padded, 1),
     )
     facts = DataFacts((block_size,), (block_size,), False, None, vocab, True)
     return DataBundle(

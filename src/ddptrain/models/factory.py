@@ -8,6 +8,7 @@ strategy's `setup_module`), so checkpoints always hold the plain module's state 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +100,7 @@ def create_model(
                 "model's size is --width (and --block_size); --model_args are for a "
                 "module:fn or hf:DIR model"
             )
-        model = _builtin(name, config, data, _outputs(name, outputs))
+        model = _built_in_held(name, config, data, _outputs(name, outputs), device)
     if config.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model.to(device)
@@ -112,6 +113,41 @@ def _outputs(name: str, outputs: int | None) -> int:
             "task nor the data says: pass --num_classes, or use --model module:fn"
         )
     return outputs
+
+
+def _built_in_held(name: str, config: TrainingConfig, data: DataBundle, outputs: int,
+                   device: torch.device) -> nn.Module:
+    """The built-in model on `device`; one too large for this host refused before it is
+    allocated (counted on the meta device: no memory, no random draws), one that does not
+    fit the device refused as it is."""
+    with torch.device("meta"):
+        count = sum(p.numel() for p in _builtin(name, config, data, outputs).parameters())
+    host = _host_bytes()
+    if host is not None and 4 * count > host:
+        raise ConfigError(
+            f"--width {config.width} gives --model {name} {count:,} parameters "
+            f"({4 * count / 2**30:,.0f} GiB in float32), more than this host's memory "
+            f"({host / 2**30:,.0f} GiB) holds: lower --width"
+        )
+    try:
+        return _builtin(name, config, data, outputs).to(device)
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one
+        if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(
+                exc):
+            raise
+        raise ConfigError(
+            f"--width {config.width} gives --model {name} {count:,} parameters "
+            f"({4 * count / 2**30:,.1f} GiB in float32), which {device} cannot allocate: "
+            "lower --width"
+        ) from None
+
+
+def _host_bytes() -> int | None:
+    """This host's memory, or None where it cannot be told."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX host
+        return None
 
 
 def _builtin(name: str, config: TrainingConfig, data: DataBundle, outputs: int) -> nn.Module:
