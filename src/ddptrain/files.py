@@ -71,11 +71,14 @@ def own_dir(directory: Path, under: Path | None = None) -> Path:
             os.mkdir(here)
         mode = os.lstat(here).st_mode
         if stat.S_ISLNK(mode) or not stat.S_ISDIR(mode):
-            raise LinkRefused(
-                f"{str(here)!r} is a symlink or not a directory: ddptrain writes nothing "
-                "through it; remove it (ddptrain makes its own), or use another directory"
-            )
+            raise _not_a_folder(here)
     return directory
+
+
+def _not_a_folder(path: Path) -> LinkRefused:
+    return LinkRefused(f"{str(path)!r} is a symlink or not a directory: ddptrain writes "
+                       "nothing through it; remove it (ddptrain makes its own), or use "
+                       "another directory")
 
 
 def refuse_link(path: Path) -> Path:
@@ -83,10 +86,7 @@ def refuse_link(path: Path) -> Path:
     or W&B's in a run directory), if it is a real folder or not there yet: a link or a file
     planted at its name is refused."""
     if os.path.islink(path) or (os.path.lexists(path) and not path.is_dir()):
-        raise LinkRefused(
-            f"{str(path)!r} is a symlink or not a directory: ddptrain writes nothing through "
-            "it; remove it (ddptrain makes its own), or use another directory"
-        )
+        raise _not_a_folder(path)
     return path
 
 
@@ -247,13 +247,19 @@ def open_append(path: Path) -> TextIO:
     return os.fdopen(fd, "a")
 
 
-def read_regular(path: Path, limit: int = 1 << 20) -> str:
-    """The text of `path` if it is a regular file (never a link's target, a device or a
-    FIFO), at most `limit` bytes; `OSError` otherwise."""
+def open_regular(path: Path) -> int:
+    """A descriptor to read the regular file `path` itself: a link (never followed), a
+    device or a FIFO (never blocked on) is `OSError`."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd
+
+
+def read_regular(path: Path, limit: int = 1 << 20) -> str:
+    """The text of `path` if it is a regular file (`open_regular`), at most `limit` bytes."""
+    with os.fdopen(open_regular(path), "rb") as f:
         return f.read(limit).decode(errors="replace")
 
 

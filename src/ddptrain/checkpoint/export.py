@@ -49,6 +49,7 @@ from ddptrain.files import (
     atomic_write_text,
     check_output,
     file_crc,
+    open_regular,
     refuse_special,
     staged,
     staged_dir,
@@ -261,16 +262,12 @@ def _copy_tokenizer(source: Path | None, directory: Path) -> None:
 
 
 def _open_regular(path: Path) -> int | None:
-    """A descriptor of the regular file `path`, not through a link; None for anything else
-    (a link put there since it was looked at)."""
+    """`files.open_regular`, None for anything else (a link put there since it was
+    looked at)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return open_regular(path)
     except OSError:
         return None
-    if stat.S_ISREG(os.fstat(fd).st_mode):
-        return fd
-    os.close(fd)
-    return None
 
 
 def export_adapter(state: dict[str, torch.Tensor], out: Path, lora: LoraSpec) -> None:
