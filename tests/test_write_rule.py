@@ -161,6 +161,17 @@ def test_the_exit_note_never_writes_through_a_link_in_the_shared_temporary_folde
     _unchanged(folder)
 
 
+def test_a_record_the_run_reads_back_is_not_read_through_a_link(tmp_path: Path) -> None:
+    from ddptrain.train.rollback import _recorded
+
+    secret, folder = _outside(tmp_path)
+    (tmp_path / "rollbacks.json").symlink_to(secret)
+    with pytest.raises(ConfigError, match="is a link or no regular file") as refused:
+        _recorded(tmp_path / "rollbacks.json", "run")
+    assert SECRET.strip() not in str(refused.value)
+    _unchanged(folder)
+
+
 # ---------------------------------------------------------------- the audit, end to end
 @pytest.mark.slow
 def test_write_audit_a_run_with_every_output_never_writes_outside(tmp_path: Path) -> None:
@@ -188,7 +199,7 @@ def test_write_audit_a_run_with_every_output_never_writes_outside(tmp_path: Path
     first = run_cli([*every, "--epochs", "1", "--output_dir", str(run)], tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     for name in ("summary.json", "model.safetensors", "metrics.jsonl", "curves.png",
-                 "rollbacks.json", "finished.json"):
+                 "finished.json"):
         (run / name).unlink(missing_ok=True)
         (run / name).symlink_to(secret)
     for name in ("hang", "oom", "hf", "adapter"):

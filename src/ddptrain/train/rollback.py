@@ -30,7 +30,7 @@ from ddptrain.config import TrainingConfig
 from ddptrain.config_values import step_ranges
 from ddptrain.context import DistributedContext, from_main
 from ddptrain.errors import ConfigError, Diverged
-from ddptrain.files import atomic_write_text
+from ddptrain.files import atomic_write_text, read_regular
 from ddptrain.observe.hang import POSITION
 from ddptrain.train.resume import restore
 from ddptrain.train.steer import SpikeRollback
@@ -91,11 +91,11 @@ def _recorded(path: Path, run_id: str | None) -> list[dict[str, Any]]:
         )
 
     try:
-        text = path.read_text()
+        text = read_regular(path)  # the file itself: a link is not read
     except FileNotFoundError:
         return []
-    except (OSError, UnicodeDecodeError) as exc:
-        raise bad(f"it cannot be read ({exc})") from None
+    except OSError as exc:
+        raise bad(f"it cannot be read, or is a link or no regular file ({exc.strerror})") from None
     try:
         saved = json.loads(text)
     except (ValueError, RecursionError) as exc:  # nested past Python's stack: not ours
