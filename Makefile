@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 RUNTIME := $(VENV)/.runtime-0.5
 STAMP  := $(VENV)/.installed-0.5
 
-.PHONY: setup demo test test-fast test-slow test-heavy lint typecheck clean
+.PHONY: setup demo test test-fast test-slow test-heavy lint typecheck clean mutants
 
 setup: $(STAMP)
 
@@ -58,6 +58,13 @@ test-slow: $(STAMP) slurm-deps
 # The heaviest multi-process runs: kills and resumes, 4-rank layouts, Slurm, namespaces.
 test-heavy: $(STAMP) slurm-deps
 	$(PY) -m pytest -q -m heavy $(XDIST) --durations=25
+
+# Does the suite catch realistic bugs? Each mutant listed in scripts/mutants.py (a small
+# change to the code and the tests that should catch it) is planted in a copy of the tree,
+# one at a time; the table says whether the fast and the slow tier caught it. Not part of
+# CI. ARGS=--fast-only (a few minutes), ARGS="--only NAME", ARGS=--list.
+mutants: $(STAMP)
+	$(PY) scripts/mutants.py --python $(PY) $(ARGS)
 
 # Slurm and munge for the Slurm tests (tests/test_slurm.py), iptables for the network
 # partitions of tests/test_multinode.py: installed only when missing, and only by root with

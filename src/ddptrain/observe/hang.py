@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import json
 import os
 import pickle
@@ -60,7 +61,20 @@ MAX_WORLD = 1 << 20  # the most ranks a record may say its job had
 # Where this rank is: the trainer's run directory and its `Progress` (read, not written,
 # a step: steps and epochs completed).
 POSITION: dict[str, Any] = {"run_dir": None, "progress": None}
-_TORCH = os.sep + "torch" + os.sep
+# torch's code: its installed folder (as imported, and its real path), not any folder
+# named torch
+def _installed(package: str) -> tuple[str, ...]:
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return (os.sep + package + os.sep,)  # not installed: no frame is its
+    folder = Path(spec.origin).parent
+    return tuple({str(folder) + os.sep, str(folder.resolve()) + os.sep})
+
+
+_TORCH = _installed("torch")
+# ddptrain's own code: the package as imported, its folder's real path (the folder a
+# checkout is in may be named ddptrain too, and so may a user's)
+_PACKAGE = Path(__file__).resolve().parent.parent
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 
@@ -162,7 +176,7 @@ class StallWatch:
 def _not_ours(filename: str) -> bool:
     """torch's, Python's own library's, or no file's (`<frozen ...>`)."""
     library = filename.startswith(_STDLIB) and "site-packages" not in filename
-    return _TORCH in filename or library or filename.startswith("<")
+    return filename.startswith(_TORCH) or library or filename.startswith("<")
 
 
 def culprit_line(run_dir: Path, world_size: int, rank: int,
@@ -394,7 +408,7 @@ def _failed_call(tb: TracebackType | None) -> tuple[str | None, str | None, str 
     name, and the line outside torch that called it."""
     frames = list(_walk(tb))
     op = group = None
-    ours = [f for f in frames if _TORCH not in f.f_code.co_filename]
+    ours = [f for f in frames if not f.f_code.co_filename.startswith(_TORCH)]
     where = _at(ours[-1]) if ours else None  # a collective C++ runs (DDP's): its caller
     for i, frame in enumerate(frames):
         code = frame.f_code
@@ -402,7 +416,7 @@ def _failed_call(tb: TracebackType | None) -> tuple[str | None, str | None, str 
             op = code.co_name
             pg = frame.f_locals.get("group")
             group = _group_name(pg)
-            callers = [f for f in frames[:i] if _TORCH not in f.f_code.co_filename]
+            callers = [f for f in frames[:i] if not f.f_code.co_filename.startswith(_TORCH)]
             where = _at(callers[-1]) if callers else where
             break
     return op, group, where
@@ -430,8 +444,16 @@ def _group_name(pg: Any) -> str | None:
 
 
 def _short(path: str) -> str:
-    marker = os.sep + "ddptrain" + os.sep
-    return "ddptrain/" + path.split(marker, 1)[1] if marker in path else path
+    """A frame's file as the report names it: one of ddptrain's own modules (a file in
+    the imported package's real folder, `_PACKAGE`) as `ddptrain/...`; any other file,
+    a user's module in a checkout folder named `ddptrain` too, as it is."""
+    if path.startswith("<"):  # no file: `<frozen ...>`, `<string>`
+        return path
+    try:
+        inside = Path(path).resolve().relative_to(_PACKAGE)
+    except (ValueError, OSError, RuntimeError):  # elsewhere, or a loop of links
+        return path
+    return "ddptrain/" + inside.as_posix()
 
 
 def _recorder() -> dict[str, Any]:
@@ -446,7 +468,8 @@ def _recorder() -> dict[str, Any]:
 
 
 def _entry(e: dict[str, Any]) -> dict[str, Any]:
-    frames = [f for f in e.get("frames") or [] if _TORCH not in str(f.get("filename", ""))]
+    frames = [f for f in e.get("frames") or []
+              if not str(f.get("filename", "")).startswith(_TORCH)]
     keep = ("process_group", "collective_seq_id", "profiling_name", "state", "retired",
             "input_sizes", "time_created_ns")
     out = {k: e.get(k) for k in keep}
