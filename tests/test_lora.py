@@ -252,9 +252,11 @@ def test_pp_trains_the_adapters_one_process_trains(tmp_path: Path) -> None:
 def test_qlora_on_two_ddp_ranks_trains_the_adapters_one_process_trains(tmp_path: Path) -> None:
     """`--lora_quantize nf4` under ddp: each rank quantizes the same base (after DDP's
     broadcast of the plain weights), and the adapters end as one process's with the
-    same global batch in the same micro-batches: torchao's NF4 layer rounds by the shape
-    it computes (one process at batch 32 ends up to 5e-3 from one at 16 x 2 steps of
-    accumulation, which ddp equals to 1e-9)."""
+    same global batch in the same micro-batches (to 1e-9 measured). Against one process
+    at batch 32 the NF4 run ends up to 5e-3 apart (1.6e-6 without NF4), and so does one
+    process at 16 x 2 steps of accumulation: the gap is the batch's, not the ranks'. NF4's
+    linear gives a batch's rows bit for bit whole or split, so where one process's runs
+    part is not this test's question."""
     qlora = dict(GPT, epochs=1, lora_quantize="nf4", batch_size=16)
     (two,) = run_ranks(train_and_report, 2, tmp_path,
                        dict(qlora, output_dir=str(tmp_path / "ddp")))[:1]
