@@ -125,6 +125,19 @@ def run_cli(
     )
 
 
+def one_error_line(capsys: pytest.CaptureFixture[str], args: list[str], code: int = 2) -> str:
+    """`ddptrain.cli.main(args)` in this process: exit `code` and one `ddptrain: error:`
+    line on stderr, which it returns."""
+    from ddptrain.cli import main
+
+    capsys.readouterr()
+    rc = main(args)
+    err = capsys.readouterr().err.strip()
+    assert rc == code and len(err.splitlines()) == 1, (rc, err)
+    assert err.startswith("ddptrain: error: "), err
+    return err
+
+
 def run_torchrun(
     nproc: int, args: list[str], cwd: Path, env: dict[str, str] | None = None,
     timeout: float = 300, torchrun_args: list[str] | None = None,

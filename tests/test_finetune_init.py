@@ -144,17 +144,22 @@ def test_initial_weights_reach_every_rank(
     assert_bitwise(weights(tmp_path / "run"), weights(sources[kind]))
 
 
+def _tiny_gpt2(directory: Path) -> Path:
+    """A one-layer GPT-2 saved as Hugging Face's `save_pretrained` does."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(
+        vocab_size=30, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )).save_pretrained(directory)
+    return directory
+
+
 def test_a_hugging_face_directory_runs_no_code_of_its_own_and_its_load_is_one_line(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("transformers")
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    pretrained = tmp_path / "tiny-gpt2"
-    GPT2LMHeadModel(GPT2Config(
-        vocab_size=30, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
-        eos_token_id=0, pad_token_id=0,
-    )).save_pretrained(pretrained)
+    pretrained = _tiny_gpt2(tmp_path / "tiny-gpt2")
     job = ["train", "--dataset", "hfplug:sentiment", "--model", f"hf:{pretrained}",
            "--epochs", "1", "--batch_size", "32", "--no-tensorboard"]
     # As a sequence classifier: the new head starts fresh, told in one line of ours, not
@@ -287,17 +292,12 @@ def test_an_exported_hf_directory_is_checked_whole_its_index_and_its_set_of_file
     import shutil
 
     from safetensors.torch import load_file, save_file
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     from ddptrain.errors import ConfigError
     from ddptrain.files import SUMS_FILE, sums_damage
     from ddptrain.models.hf import build_hf
 
-    pretrained = tmp_path / "tiny-gpt2"
-    GPT2LMHeadModel(GPT2Config(
-        vocab_size=30, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
-        eos_token_id=0, pad_token_id=0,
-    )).save_pretrained(pretrained)
+    pretrained = _tiny_gpt2(tmp_path / "tiny-gpt2")
     (tmp_path / "secret").write_text("a secret\n")
     (pretrained / "tokenizer_config.json").symlink_to(tmp_path / "secret")
     (pretrained / "vocab.json").write_text("{}\n")

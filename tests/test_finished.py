@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tmpfs
+from conftest import one_error_line, tmpfs
 from safetensors.torch import load_file
 
 import ddptrain.train.trainer as trainer_module
@@ -188,27 +188,19 @@ def test_export_predict_and_evaluate_onto_a_read_only_or_full_filesystem_are_one
     run = tmp_path / "run"
     assert main([*RUN, "--output_dir", str(run)]) == 0
 
-    def one_line(args: list[str], code: int) -> str:
-        capsys.readouterr()
-        rc = main(args)
-        err = capsys.readouterr().err.strip()
-        assert rc == code and len(err.splitlines()) == 1, (rc, err)
-        assert err.startswith("ddptrain: error: "), err
-        return err
-
     with tmpfs(tmp_path / "ro", "size=64k,ro") as ro:
         for args in (["export", str(run), str(ro / "m.safetensors")],
                      ["export", str(run / "checkpoints" / "latest.pt"), str(ro / "a" / "m.st")],
                      ["predict", str(run), *CODE, "--output", str(ro / "p.npy")],
                      ["predict", str(run), *CODE, "--output", str(ro / "a" / "p.jsonl")],
                      ["evaluate", str(run), *CODE, "--output", str(ro / "m.json")]):
-            err = one_line(args, 2)
+            err = one_error_line(capsys, args, 2)
             assert "cannot be written" in err and "Read-only file system" in err, err
         assert os.listdir(ro) == []
 
     with tmpfs(tmp_path / "full", "size=64k") as full:
         _fill(full)
-        err = one_line(["export", str(run), str(full / "m.safetensors")], EXIT_IO)
+        err = one_error_line(capsys, ["export", str(run), str(full / "m.safetensors")], EXIT_IO)
         assert "No space left on device (errno 28)" in err
         assert sorted(os.listdir(full)) == ["filler"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tmpfs
+from conftest import one_error_line, tmpfs
 
 from ddptrain.cli import main
 from ddptrain.files import file_crc
@@ -25,13 +25,6 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _one_line(capsys: pytest.CaptureFixture[str], args: list[str], code: int = 2) -> str:
-    capsys.readouterr()
-    rc = main(args)
-    err = capsys.readouterr().err.strip()
-    assert rc == code and len(err.splitlines()) == 1, (rc, err)
-    assert err.startswith("ddptrain: error: "), err
-    return err
 
 
 def _plant(step_dir: Path, marker: Path) -> None:
@@ -56,9 +49,9 @@ def test_a_planted_dcp_metadata_is_refused_and_never_runs(
     _plant(newest, marker)
 
     other = ["train", "--batch_size", "64", "--output_dir", str(tmp_path / "r2"), "--epochs", "3"]
-    err = _one_line(capsys, [*other, "--resume_from", str(newest)])
+    err = one_error_line(capsys, [*other, "--resume_from", str(newest)])
     assert "pickled code" in err and "refused" in err and str(newest) in err
-    err = _one_line(capsys, ["export", str(newest), str(tmp_path / "m.safetensors")])
+    err = one_error_line(capsys, ["export", str(newest), str(tmp_path / "m.safetensors")])
     assert "pickled code" in err
     assert not marker.exists(), "reading the step directory ran its code"
 
@@ -82,7 +75,7 @@ def test_a_device_or_fifo_given_as_weights_is_refused_before_it_is_read(
     for args in (["evaluate", "/dev/zero"], ["evaluate", str(fifo)], ["export", "/dev/zero", out],
                  ["train", "--init_from", str(fifo), "--output_dir", str(tmp_path / "r")],
                  ["train", "--resume_from", "/dev/zero", "--output_dir", str(tmp_path / "r")]):
-        err = _one_line(capsys, args)
+        err = one_error_line(capsys, args)
         assert "is not a regular file (a device, FIFO or socket)" in err, (args, err)
 
 
@@ -97,7 +90,7 @@ def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_untouched(
     lock = run / ".lock"
     lock.unlink()
     lock.symlink_to(target)
-    err = _one_line(capsys, [*base, "--epochs", "2", "--resume_from", "auto"])
+    err = one_error_line(capsys, [*base, "--epochs", "2", "--resume_from", "auto"])
     assert str(lock) in err and "symlink" in err
     assert target.read_bytes() == b"keep these bytes\n"
     assert lock.is_symlink()
@@ -111,7 +104,7 @@ def test_a_dcp_checkpoint_of_another_width_is_one_line(
     assert main([*base, "--output_dir", str(run)]) == 0
     step = run / "checkpoints" / "step_000000008"
     other = [*base, "--epochs", "2", "--width", "32", "--output_dir", str(tmp_path / "r2")]
-    err = _one_line(capsys, [*other, "--resume_from", str(step)])
+    err = one_error_line(capsys, [*other, "--resume_from", str(step)])
     assert "does not fit this model and optimizer" in err and str(step) in err
     assert "CheckpointException" not in err
 
@@ -131,14 +124,14 @@ def test_run_logs_that_cannot_be_written_are_one_line(
     rows = metrics.read_bytes()
     metrics.unlink()
     metrics.mkdir()
-    err = _one_line(capsys, again)
+    err = one_error_line(capsys, again)
     assert "cannot write the run's log" in err and str(metrics) in err
     metrics.rmdir()
     metrics.write_bytes(rows)
 
     # a read-only TensorBoard directory (a read-only tmpfs over it)
     with tmpfs(run / "tensorboard", "size=64k,ro"):
-        err = _one_line(capsys, again)
+        err = one_error_line(capsys, again)
         assert "cannot write the run's log" in err and "Read-only file system" in err
         assert metrics.read_bytes() == rows  # left as it was
     assert main(again) == 0  # and the corrected directory resumes
@@ -152,7 +145,7 @@ def test_a_read_only_run_directory_is_refused_at_the_start_with_one_line(
         base = ["train", "--batch_size", "64", "--output_dir", str(run)]
         assert main([*base, "--epochs", "1"]) == 0
         subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
-        err = _one_line(capsys, [*base, "--epochs", "2", "--resume_from", "auto"])
+        err = one_error_line(capsys, [*base, "--epochs", "2", "--resume_from", "auto"])
         assert "is not writable (Read-only file system)" in err and str(run) in err
 
 
