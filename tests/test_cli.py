@@ -51,7 +51,8 @@ BAD_FLAGS = [
     (["train", "--early_stopping", "2", "--early_stopping_min_delta", "nan"],
      "--early_stopping_min_delta nan is invalid: use a finite number"),
     (["train", "--lr", "inf"], "--lr inf is invalid: use a finite number"),
-    (["train", "--epo", "2"], "unrecognized arguments: --epo 2"),  # no abbreviations
+    (["train", "--epo", "2"], "unrecognized arguments: --epo 2 (did you mean --epochs?)"),
+    (["train", "--stratgy", "fsdp"], "--stratgy fsdp (did you mean --strategy?)"),  # typo
     (["train", "--model", "mlp", "--model_args", "experts=4"],
      "--model mlp takes no --model_args (given: experts=4)"),
     (["train", "--freeze", "*"], "--freeze * freezes every parameter: nothing would train"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import sys
 import types
 import typing
@@ -32,7 +33,23 @@ class ErrorParser(argparse.ArgumentParser):
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments: "):
+            message += self._did_you_mean(message.split(": ", 1)[1].split())
         raise ConfigError(message)
+
+    def _did_you_mean(self, words: list[str]) -> str:
+        """The flags a misspelt or cut one was likely meant as (`--stratgy`: --strategy;
+        `--epo`: --epochs, spelled in full)."""
+        flags = [o for action in self._actions for o in action.option_strings
+                 if o.startswith("--")]
+        for word in words:
+            if word.startswith("--"):
+                name = word.split("=", 1)[0]
+                close = [f for f in flags if f.startswith(name)][:2] or difflib.get_close_matches(
+                    name, flags, n=2, cutoff=0.8)
+                if close:
+                    return f" (did you mean {' or '.join(close)}?)"
+        return ""
 
 
 def _field_type(tp: Any) -> tuple[Any, bool]:
