@@ -93,9 +93,13 @@ def test_float8_is_refused_in_one_line_where_it_cannot_run(
         assert resolve_precision(f8, cuda).describe().endswith(", float8 tensorwise linears")
         resolve_precision(dataclasses.replace(f8, compile=True), cuda)
         resolve_precision(f8, cpu)
-    # eager float8 on a GPU is slower than bf16 (measured): said once, with the way out
+    # eager float8 on a GPU is slower than bf16 (measured), and the CPU's is emulated:
+    # each said once, with the way out, and the plan says so too
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
-        "--float8 tensorwise without --compile"]
+        "--float8 tensorwise without --compile",
+        "--float8 tensorwise on the CPU is emulated (no float8 matmuls)"]
+    assert resolve_precision(f8, cpu).describe().endswith(
+        ", float8 tensorwise linears (emulated: slower, not faster)")
     assert resolve_precision(f8, cpu).float8 == "tensorwise"
     with pytest.raises(ConfigError, match="--float8 with --tp/--pp is not supported"):
         resolve_precision(TrainingConfig(float8="rowwise", tp=2), cpu)
