@@ -60,3 +60,25 @@ def test_gpt2_with_tied_weights_trains_and_exports_loadable_weights(tmp_path: Pa
         batch = {k: torch.stack([item[k] for item in val.items]) for k in val.items[0]}
         loss = fresh(**batch).loss
     assert float(loss) == pytest.approx(summary["val_loss"], rel=1e-4)
+
+
+def test_a_hugging_face_model_is_built_without_torchaos_or_pytrees_lines(tmp_path: Path) -> None:
+    """transformers imports torchao as it builds a model: its lines about kernels built for
+    other machines and torch's pytree deprecations are held back (a fresh interpreter, as a
+    first run has)."""
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30, n_positions=16,
+                               bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path / "m")
+    code = ("import torch\nfrom ddptrain.models.hf import build_hf\n"
+            f"build_hf('hf:{tmp_path / 'm'}', {{'auto_class': 'AutoModelForCausalLM'}}, None, None,"
+            " torch.device('cpu'))\n"
+            "import sys\nprint('torchao' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Failed to load" not in done.stderr and "_pytree" not in done.stderr, done.stderr

@@ -30,6 +30,7 @@ from torch import nn
 
 from ddptrain.errors import ConfigError, few
 from ddptrain.files import sums_damage
+from ddptrain.log import quietly
 
 log = logging.getLogger("ddptrain")
 
@@ -50,6 +51,16 @@ def hf_dir(name: str) -> Path:
 
 
 def build_hf(
+    name: str, args: dict[str, Any], task: str | None, outputs: int | None,
+    device: torch.device, seed: int = 0,
+) -> nn.Module:
+    """`_build_hf`, with the lines of torchao (which transformers imports as it builds a
+    model, where it is installed: kernels built for other machines) and of torch's pytree
+    (deprecations) held back."""
+    return cast(nn.Module, quietly(lambda: _build_hf(name, args, task, outputs, device, seed)))
+
+
+def _build_hf(
     name: str, args: dict[str, Any], task: str | None, outputs: int | None,
     device: torch.device, seed: int = 0,
 ) -> nn.Module:
