@@ -25,3 +25,9 @@ def pair(config: TrainingConfig, n_val: int = 101) -> tuple[TensorDataset, Tenso
 
 def net(config: TrainingConfig, outputs: int = 2) -> nn.Module:
     return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, outputs))
+
+
+def whole(config: TrainingConfig, n: int = 37) -> TensorDataset:
+    """New data, one dataset (which training would split by --val_fraction): 37 samples."""
+    x = torch.randn(n, FEATURES, generator=torch.Generator().manual_seed(1))
+    return TensorDataset(x, (x[:, 0] > 0).long())

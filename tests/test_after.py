@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from afterplug import net, samples
+from afterplug import net, samples, whole
 from conftest import run_torchrun
 from dist_utils import run_ranks
 from safetensors.torch import load_file
@@ -138,6 +138,48 @@ def test_predict_writes_as_it_goes(cls_run: Path, tmp_path: Path) -> None:
                             argv=["--model", "afterplug:net"]) == 101
     assert watching.rows_before_last == 96  # 6 rounds of 16 written; the 7th being read
     torch.testing.assert_close(read_rows(out), by_hand(cls_run), rtol=0, atol=1e-6)
+
+
+def test_new_data_is_predicted_and_evaluated_whole_and_the_split_is_said(
+    cls_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `--dataset` other than the run's, one dataset (which training would split 80/20),
+    is taken whole, in its order, and the line says so; `--split` picks a part of it; the
+    run's own data keeps its validation set, and `--split all` takes a pair's train then
+    val."""
+    model = net(None, outputs=2)  # type: ignore[arg-type]
+    model.load_state_dict(load_file(cls_run / "model.safetensors"))
+    new = ["--dataset", "afterplug:whole", "--model", "afterplug:net"]
+    out = tmp_path / "p.npy"
+    capsys.readouterr()
+    assert main(["predict", str(cls_run), *new, "--output", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "predict: wrote 37 rows (all 37 of afterplug:whole)" in said, said
+    inputs = whole(None).tensors[0]  # type: ignore[arg-type]
+    with torch.no_grad():
+        torch.testing.assert_close(read_rows(out), model(inputs), rtol=0, atol=1e-6)
+    val = tmp_path / "val.npy"
+    assert main(["predict", str(cls_run), *new, "--split", "val", "--output", str(val)]) == 0
+    assert np.load(val).shape == (7, 2)
+    assert ("predict: wrote 7 rows (the val split: 7 of the 37 samples of afterplug:whole; "
+            "--split all takes every one)") in capsys.readouterr().out
+    assert ddptrain.evaluate(cls_run, argv=new)["samples"] == 37
+    assert ddptrain.evaluate(cls_run, argv=[*new, "--val_fraction", "0.5"], split="train",
+                             )["samples"] == 19  # 37 - round(18.5)
+    # the run's own data: its validation set by default, all of a pair is train then val
+    assert ddptrain.predict(cls_run, tmp_path / "own.npy", argv=CODE) == 101
+    both = tmp_path / "both.npy"
+    assert main(["predict", str(cls_run), *CODE, "--split", "all", "--output", str(both)]) == 0
+    assert "predict: wrote 165 rows (all 165 of afterplug:pair)" in capsys.readouterr().out
+    with torch.no_grad():
+        torch.testing.assert_close(read_rows(both), model(samples()[0]), rtol=0, atol=1e-6)
+    figures = ddptrain.evaluate(cls_run, argv=CODE, split="all", output=tmp_path / "m.json")
+    assert figures["samples"] == 165
+    assert json.loads((tmp_path / "m.json").read_text())["split"] == "all"
+    _one_line_exit_2(["predict", str(cls_run), *new, "--split", "every", "--output",
+                      str(tmp_path / "x.npy")], capsys, "--split")
+    with pytest.raises(ConfigError, match="choose val, train, all"):
+        ddptrain.predict(cls_run, tmp_path / "x.npy", split="every", argv=new)
 
 
 def _one_line_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str], says: str) -> None:

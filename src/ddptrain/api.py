@@ -22,8 +22,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 from ddptrain.config import TrainingConfig
 from ddptrain.config_values import OBJECT_FIELDS
 from ddptrain.errors import ConfigError, TrainingStopped
-from ddptrain.files import LinkRefused, own_dir
 from ddptrain.launch.rundir import (
     RunClaim,
     new_run_id,
@@ -51,25 +48,6 @@ if TYPE_CHECKING:  # torch and what needs it load once a run starts, not for `--
     from ddptrain.train import Precision, Task
 
 log = logging.getLogger("ddptrain")
-
-
-def make_run_dirs(config: TrainingConfig) -> None:
-    """Create the run and checkpoint directories, or say why they cannot be written."""
-    for directory, flag in ((config.run_dir, "output_dir"), (config.ckpt_dir, "checkpoint_dir")):
-        # the default checkpoints/ a real folder of the run's, never a link planted there
-        inside = directory != config.run_dir and directory.is_relative_to(config.run_dir)
-        try:
-            own_dir(directory, config.run_dir if inside else None)
-            fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=directory)  # made new
-            os.close(fd)
-            os.unlink(probe)
-        except LinkRefused:
-            raise
-        except OSError as exc:
-            raise ConfigError(
-                f"--{flag} {str(directory)!r} is not writable ({exc.strerror}): "
-                "choose a directory you can write to"
-            ) from None
 
 
 @dataclass(frozen=True)
@@ -201,15 +179,8 @@ def resolve_run(
     return Resolved(config, cluster, device, backend, precision, strategy, data, task, startup)
 
 
-class _Claim(RunClaim):
-    """The claim, and once the run has ended whole (its exports and summary written) the
-    checkpoint they came from (`checkpoint.finished.ended_at`), recorded last."""
-
-    ended: dict[str, Any] | None = None
-
-
 @contextlib.contextmanager
-def claim_run_dir(run: Resolved) -> Iterator[_Claim]:
+def claim_run_dir(run: Resolved) -> Iterator[RunClaim]:
     """Rank 0 refuses another run's directory and takes the directory's lock; yields the
     claim, its config with the run id. `config.yaml` (with the run id) and `.job` are
     written by `claim.commit()` once the trainer is built; a start that fails before its
@@ -217,10 +188,10 @@ def claim_run_dir(run: Resolved) -> Iterator[_Claim]:
     finishes before the lock goes, and then `finished.json` (`claim.ended`) is written,
     last: a finished job's directory is whole, and says so."""
     main = run.cluster.rank == 0
-    claim = _Claim(run.config, main)
+    claim = RunClaim(run.config, main)
     failed = True
     try:
-        claim.take(make_run_dirs)
+        claim.take()
         if main:
             claim.config = _with_run_id(run.config)
             log.info("run %s in %s", claim.config.run_id, claim.config.run_dir)
@@ -242,7 +213,7 @@ def claim_run_dir(run: Resolved) -> Iterator[_Claim]:
 
 
 def _run_in_group(
-    run: Resolved, model: Any, hooks: Sequence[Any], claim: _Claim | None = None
+    run: Resolved, model: Any, hooks: Sequence[Any], claim: RunClaim | None = None
 ) -> dict[str, Any]:
     """Start the process group, train, and tear it down whatever happens."""
     from ddptrain.launch.process_group import setup_distributed, teardown_distributed
@@ -351,14 +322,14 @@ def _print_dry_run(run: Resolved, model: Any) -> None:
     """The plan and the resolved config, from the same builders a real run uses."""
     import yaml
 
-    from ddptrain.train import format_plan, make_plan
+    from ddptrain.train import as_trained, format_plan, make_plan
 
     config, data, task = run.config, run.data, run.task
-    model = _meta_model(run, model)  # counted on the meta device: a model of any size
+    model, frozen, freed = as_trained(_meta_model(run, model), config)
     plan = make_plan(
         config, data, run.cluster.world_size, str(run.device), run.backend or "none",
         run.precision.describe(), task.name, sum(p.numel() for p in model.parameters()),
-        run.strategy,
+        run.strategy, frozen=frozen, freed=freed,
     )
     print(f"{format_plan(plan, config)}\n\n# resolved config\n"
           + yaml.safe_dump(config.to_dict(), sort_keys=False), end="", flush=True)
@@ -426,7 +397,7 @@ def _resolve_config(config: TrainingConfig | None, fields: dict[str, Any]) -> Tr
 
 
 def _fit(
-    run: Resolved, ctx: Any, model: Any, hooks: Sequence[Any], claim: _Claim | None
+    run: Resolved, ctx: Any, model: Any, hooks: Sequence[Any], claim: RunClaim | None
 ) -> dict[str, Any]:
     """Build and run the trainer; once it is built (every check of the start passed, a
     resume's checkpoint accepted) the claim marks the directory as this run's. Its model,
@@ -484,7 +455,7 @@ def _call_model_factory(factory: Callable[..., Any], config: TrainingConfig, dat
 
 # ---------------------------------------------------------------------- after training
 def evaluate(
-    source: str | Path, *, split: str = "val", output: str | Path | None = None,
+    source: str | Path, *, split: str | None = None, output: str | Path | None = None,
     model: Any = None, datasets: Any = None, task: Any = None, collate: Any = None,
     argv: Sequence[str] = (), trust_checkpoint_code: bool = False, overwrite: bool = False,
     **fields: Any,
@@ -494,16 +465,20 @@ def evaluate(
     directory) or a `model.safetensors` beside its `config.yaml`. The model and data are
     rebuilt from the run's config; `argv` (`ddptrain train` flags) and then `fields`
     override it (another `dataset`, say); `model`, `datasets`, `task` and `collate` are
-    as in `fit`. `split` picks the set's half (`val`: the run's validation set). `output`:
+    as in `fit`. `split` picks the set: `val` (the run's validation set), `train` or `all`
+    (every sample: a dataset ddptrain would split, whole and in its order; a pair's train
+    then val); by default `all` where `argv` or `fields` name a dataset other than the
+    run's, else `val`. `output`:
     a JSON file rank 0 writes the figures to (an existing file only with `overwrite`).
     Returns them on every rank.
 
     Code the run's config names (`--model mymod:build`, a `--dataset` function, ...) is
     imported only if `argv`, `fields` or an argument here names that field again, or with
     `trust_checkpoint_code`: evaluating a downloaded checkpoint runs no code of its own."""
-    from ddptrain.train.inference import check_split, evaluate_set, pick_split
+    from ddptrain.train.inference import check_split, describe_split, evaluate_set, pick_split
 
-    check_split(split)
+    if split is not None:
+        check_split(split)
     if output is not None:
         from ddptrain.files import check_output
         from ddptrain.train.predict import check_writable
@@ -511,14 +486,17 @@ def evaluate(
         check_output(Path(output), "--output", overwrite)
         check_writable(Path(output), "--output")  # a read-only filesystem: before the work
 
-    def work(run: Resolved, ctx: Any, module: Any) -> dict[str, float]:
+    def work(run: Resolved, ctx: Any, module: Any, split: str) -> dict[str, float]:
         dataset = pick_split(run.data, split)
-        return evaluate_set(module, dataset, run.config, run.task, run.precision, ctx,
-                            run.data.collate)
+        figures = evaluate_set(module, dataset, run.config, run.task, run.precision, ctx,
+                               run.data.collate)
+        log.info("evaluate: %d samples (%s)", figures.get("samples", 0),
+                 describe_split(run.data, split, _data_name(run.config)))
+        return figures
 
-    figures, source_path, config, rank = _after_training(
+    figures, source_path, config, rank, split = _after_training(
         source, argv, fields, model, datasets, task, collate, work, "ddptrain evaluate",
-        trust_checkpoint_code,
+        trust_checkpoint_code, split,
     )
     if output is not None and rank == 0:
         import json
@@ -532,7 +510,7 @@ def evaluate(
 
 
 def predict(
-    source: str | Path, output: str | Path, *, split: str = "val", model: Any = None,
+    source: str | Path, output: str | Path, *, split: str | None = None, model: Any = None,
     datasets: Any = None, collate: Any = None, argv: Sequence[str] = (),
     trust_checkpoint_code: bool = False, overwrite: bool = False, **fields: Any,
 ) -> int:
@@ -540,37 +518,55 @@ def predict(
     `.pt` or `.jsonl`), one row per sample in the set's order, on any world size (rank 0
     writes, a round of batches at a time); the samples' targets, if any, are not used.
     `source`, `argv`, `fields`, `model`, `datasets`, `collate`, `split`,
-    `trust_checkpoint_code` and `overwrite` are as in `evaluate`. Returns the number of
-    rows."""
-    from ddptrain.train.inference import check_split, pick_split, refuse_streams
+    `trust_checkpoint_code` and `overwrite` are as in `evaluate` (so a `--dataset` other
+    than the run's is predicted whole). Logs how many rows it wrote of how many the data
+    holds; returns the number of rows."""
+    from ddptrain.train.inference import check_split, describe_split, pick_split, refuse_streams
     from ddptrain.train.predict import check_output, predict_set
 
     out = Path(output)
     check_output(out, overwrite)
-    check_split(split)
+    if split is not None:
+        check_split(split)
 
-    def work(run: Resolved, ctx: Any, module: Any) -> int:
+    def work(run: Resolved, ctx: Any, module: Any, split: str) -> int:
         dataset = pick_split(run.data, split)
         refuse_streams(dataset, "predict")
-        return predict_set(module, dataset, run.config, run.precision, ctx, out,
+        rows = predict_set(module, dataset, run.config, run.precision, ctx, out,
                            run.data.collate, overwrite)
+        log.info("predict: wrote %d rows (%s) to %s", rows,
+                 describe_split(run.data, split, _data_name(run.config)), out)
+        return rows
 
-    rows, _, _, _ = _after_training(
+    rows, _, _, _, _ = _after_training(
         source, argv, fields, model, datasets, None, collate, work, "ddptrain predict",
-        trust_checkpoint_code, needs=("model", "dataset", "collate"),  # no loss: no task
+        trust_checkpoint_code, split, needs=("model", "dataset", "collate"),  # no task
     )
     return int(rows)
 
 
+def _data_name(config: TrainingConfig) -> str:
+    """The data as the user named it: `--dataset`, or the objects given to the API."""
+    return "the datasets given" if "dataset" in config.given_in_python else config.dataset
+
+
 def _after_training(
     source: str | Path, argv: Sequence[str], fields: dict[str, Any], model: Any,
-    datasets: Any, task: Any, collate: Any, work: Callable[[Resolved, Any, Any], Any],
-    prog: str, trust_code: bool, needs: Sequence[str] = tuple(OBJECT_FIELDS),
-) -> tuple[Any, Path, TrainingConfig, int]:
+    datasets: Any, task: Any, collate: Any, work: Callable[[Resolved, Any, Any, str], Any],
+    prog: str, trust_code: bool, split: str | None = None,
+    needs: Sequence[str] = tuple(OBJECT_FIELDS),
+) -> tuple[Any, Path, TrainingConfig, int, str]:
     """Rebuild a trained model from its run's config on every rank, load its weights,
-    call `work(run, ctx, module)` in a process group and tear the group down."""
+    call `work(run, ctx, module, split)` in a process group and tear the group down.
+    `split` None: `all` for a dataset other than the run's, else `val`."""
     from ddptrain.launch.process_group import setup_distributed, teardown_distributed
-    from ddptrain.train.inference import build_model, find_source, load_weights, source_config
+    from ddptrain.train.inference import (
+        build_model,
+        default_split,
+        find_source,
+        load_weights,
+        source_config,
+    )
 
     if isinstance(collate, str):
         fields, collate = {**fields, "collate": collate}, None
@@ -579,6 +575,7 @@ def _after_training(
     objects = {"model": model, "dataset": datasets, "task": task, "collate": collate}
     given = [name for name, obj in objects.items() if obj is not None]
     config = source_config(found, argv, fields, prog, given, trust_code, needs)
+    split = split or default_split(found.config, config)
     run = resolve_run(config, datasets, task, model, collate)
     ctx = setup_distributed(run.config, run.cluster, run.device, run.backend)
     run.startup.mark("group")
@@ -590,8 +587,8 @@ def _after_training(
         module = build_model(run.config, run.data, run.task, ctx.device,
                              model if _is_module(model) else factory)
         load_weights(module, found.weights, ctx, run.config)
-        result = work(run, ctx, module)
+        result = work(run, ctx, module, split)
         clean = True
     finally:
         teardown_distributed(clean)
-    return result, found.weights, run.config, run.cluster.rank
+    return result, found.weights, run.config, run.cluster.rank, split

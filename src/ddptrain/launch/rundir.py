@@ -27,8 +27,8 @@ import secrets
 import shutil
 import socket
 import stat
+import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -38,7 +38,7 @@ from ddptrain.config import TrainingConfig
 from ddptrain.config_cli import dump_yaml
 from ddptrain.config_values import names_code
 from ddptrain.errors import ConfigError
-from ddptrain.files import LOCK_NAME
+from ddptrain.files import LOCK_NAME, LinkRefused, own_dir
 
 JOB_FILE = ".job"  # the torchrun job (rendezvous id) that last trained in a directory
 # Every name a run may write in its directory (besides its hidden lock, job and temporary
@@ -188,6 +188,25 @@ def refuse_occupied(config: TrainingConfig) -> None:
         )
 
 
+def make_run_dirs(config: TrainingConfig) -> None:
+    """Create the run and checkpoint directories, or say why they cannot be written."""
+    for directory, flag in ((config.run_dir, "output_dir"), (config.ckpt_dir, "checkpoint_dir")):
+        # the default checkpoints/ a real folder of the run's, never a link planted there
+        inside = directory != config.run_dir and directory.is_relative_to(config.run_dir)
+        try:
+            own_dir(directory, config.run_dir if inside else None)
+            fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=directory)  # made new
+            os.close(fd)
+            os.unlink(probe)
+        except LinkRefused:
+            raise
+        except OSError as exc:
+            raise ConfigError(
+                f"--{flag} {str(directory)!r} is not writable ({exc.strerror}): "
+                "choose a directory you can write to"
+            ) from None
+
+
 class RunLock:
     """An exclusive `flock` on `<run_dir>/.lock`, held by rank 0 for the whole job."""
 
@@ -259,9 +278,12 @@ class RunClaim:
         self.config, self.main = config, main
         self.lock = RunLock(config.run_dir)
         self.trained = False  # a step completed: the directory holds this run's work
+        # once the run ended whole (exports and summary written): the checkpoint they came
+        # from (`checkpoint.finished.ended_at`), recorded last, as the lock is let go
+        self.ended: dict[str, Any] | None = None
         self._before: dict[Path, frozenset[str] | None] = {}
 
-    def take(self, make_dirs: Callable[[TrainingConfig], None]) -> None:
+    def take(self) -> None:
         if not self.main:
             return
         config = self.config
@@ -272,7 +294,7 @@ class RunClaim:
                 before[directory] = (
                     frozenset(os.listdir(directory)) if directory.exists() else None
                 )
-        make_dirs(config)
+        make_run_dirs(config)
         self.lock.acquire()
         self._before = before  # only a start that holds the lock gives anything back
 

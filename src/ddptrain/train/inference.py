@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import ConcatDataset, Dataset, IterableDataset, Subset
 
 from ddptrain import models
 from ddptrain.checkpoint import (
@@ -50,7 +50,7 @@ from ddptrain.train.precision import Precision
 from ddptrain.train.tasks import Scorer, Task, head_size
 
 log = logging.getLogger("ddptrain")
-SPLITS = ("val", "train")
+SPLITS = ("val", "train", "all")
 # How a run trained: evaluation and prediction step no optimizer and run the whole plain
 # model on every rank, whatever the layout and the number of ranks.
 _TRAINING = ("optimizer", "optimizer_args", "scheduler", "scheduler_args", "dp_replicate",
@@ -219,14 +219,71 @@ def _flag_value(value: Any) -> str:
 
 def check_split(split: str) -> None:
     if split not in SPLITS:
-        raise ConfigError(f"--split {split!r} is invalid: choose {' or '.join(SPLITS)}")
+        raise ConfigError(f"--split {split!r} is invalid: choose {', '.join(SPLITS)}")
+
+
+def default_split(stored: Mapping[str, Any], config: TrainingConfig) -> str:
+    """`all` where the command names a dataset other than the run's stored one (another
+    `--dataset`, or other `--dataset_args`): the data given is predicted or evaluated
+    whole. `val` (the run's validation set) with the run's own dataset."""
+    same = (config.dataset == stored.get("dataset", config.dataset)
+            and dict(config.dataset_args or {}) == dict(stored.get("dataset_args") or {}))
+    return "val" if same else "all"
 
 
 def pick_split(data: DataBundle, split: str) -> Dataset:
-    """The half of the data `split` names: for a dataset ddptrain splits, the seeded
-    split of training (`--val_fraction`, `--seed`)."""
+    """The part of the data `split` names: for a dataset ddptrain splits, the seeded
+    split of training (`--val_fraction`, `--seed`); `all`: every sample, the one dataset
+    as it was given (unsplit, in its order), or a pair's train then val."""
     check_split(split)
-    return data.val if split == "val" else data.train
+    if split != "all":
+        return data.val if split == "val" else data.train
+    train, val = data.train, data.val
+    if isinstance(train, IterableDataset) or isinstance(val, IterableDataset):
+        raise ConfigError(
+            "--split all needs map-style datasets, and this data streams: give "
+            "--split train and --split val in turn"
+        )
+    whole = _split_from(train, val)
+    return whole if whole is not None else ConcatDataset([train, val])
+
+
+def _split_from(train: Dataset, val: Dataset) -> Dataset | None:
+    """The one dataset `train` and `val` are the split of (two subsets that together hold
+    each of its samples once), or None."""
+    if not (isinstance(train, Subset) and isinstance(val, Subset)
+            and train.dataset is val.dataset):
+        return None
+    whole = train.dataset
+    indices = {*train.indices, *val.indices}
+    if len(indices) != len(train.indices) + len(val.indices):
+        return None
+    if len(indices) != len(whole) or indices != set(range(len(indices))):  # type: ignore[arg-type]
+        return None
+    return whole
+
+
+def split_size(data: DataBundle, split: str) -> tuple[int | None, int | None]:
+    """How many samples `split` holds, and how many the data holds in all (None where a
+    stream does not say)."""
+    def size(d: Dataset) -> int | None:
+        try:
+            return len(d)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+
+    train, val = size(data.train), size(data.val)
+    total = None if train is None or val is None else train + val
+    return {"train": train, "val": val}.get(split, total), total
+
+
+def describe_split(data: DataBundle, split: str, name: str) -> str:
+    """`all 37 of NAME`, or `the val split: 7 of the 37 samples of NAME; ...`."""
+    held, total = split_size(data, split)
+    if split == "all":
+        return f"all {held} of {name}"
+    return (f"the {split} split: {held} of the {total} samples of {name}; "
+            "--split all takes every one")
 
 
 def build_model(
