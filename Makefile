@@ -30,7 +30,7 @@ $(STAMP): $(RUNTIME)
 	touch $(STAMP)
 
 demo: $(RUNTIME)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m ddptrain train \
+	$(VENV)/bin/ddprun --standalone --nproc_per_node=2 -m ddptrain train \
 		--dataset breast_cancer --batch_size 8 --epochs 10 \
 		--output_dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 

@@ -54,6 +54,93 @@ def test_a_failed_job_ends_with_the_ranks_line_and_code_not_torchruns_traceback(
                      }, res.stderr[-3000:]
 
 
+# A user's dataset whose files are missing on rank 1's node (its first read, the sample
+# ddptrain looks at before the process group, excepted): rank 1 fails reading its first
+# batch, after the process group started, and rank 0 then loses it (exit 3, a line of its own).
+MISSING_FILES = '''
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+
+class Files(Dataset):
+    def __init__(self, folder):
+        self.folder, self.reads = folder, 0
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if os.environ["RANK"] == "0":
+            return torch.zeros(4), 0
+        return torch.load(self.folder / ("here.pt" if self.reads == 1 else f"{i}.pt")), 0
+
+
+def files(config):
+    folder = Path(__file__).parent
+    torch.save(torch.zeros(4), folder / "here.pt")
+    return Files(folder)
+'''
+
+
+@pytest.mark.slow
+def test_ddprun_ends_a_failed_job_with_the_ranks_line_and_code(tmp_path: Path) -> None:
+    """`ddprun` (the console name of `ddptrain.launch.torchrun`, as the README launches): a
+    job whose rank 1 fails after the process group started (a sample's file is missing)
+    ends with that rank's `ddptrain: error:` line last, after rank 0's line that it lost
+    rank 1 (without ddprun's repeat, that line came last), exit 2, no torchrun traceback."""
+    (tmp_path / "missing_files.py").write_text(MISSING_FILES)
+    ddprun = Path(sys.executable).with_name("ddprun")
+    env = {k: v for k, v in os.environ.items() if k not in DROP}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(tmp_path))
+    res = subprocess.run(
+        [str(ddprun), "--standalone", "--nproc_per_node=2", "-m", "ddptrain", "train",
+         "--dataset", "missing_files:files", "--num_classes", "2", "--model", "mlp",
+         "--epochs", "1", "--output_dir", "run"],
+        cwd=tmp_path, env=env, text=True, capture_output=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("ddptrain: error: reading sample "), res.stderr[-3000:]
+    assert "No such file or directory" in last, last
+    assert "ChildFailedError" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_ddprun_is_the_launchers_console_name_and_the_readme_launches_with_it() -> None:
+    """pyproject declares `ddprun` for `ddptrain.launch.torchrun:main`, and no README
+    command starts jobs with plain torchrun (whose failures end in its traceback)."""
+    import tomllib
+
+    from ddptrain.launch import torchrun
+
+    root = Path(__file__).resolve().parent.parent
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["ddprun"] == "ddptrain.launch.torchrun:main"
+    assert callable(torchrun.main)
+    plain = [line for line in (root / "README.md").read_text().splitlines()
+             if line.lstrip().startswith("torchrun ")]
+    assert plain == [], plain
+
+
+def test_the_root_causes_line_is_said_again_after_a_stopped_ranks_line() -> None:
+    """Rank 1 failed (2) and rank 0, stopped by the agent, said so after it: the launcher
+    says rank 1's line again, last; not where no stopped rank spoke."""
+    from ddptrain.launch.torchrun import last_word
+
+    class Failure:
+        def __init__(self, code: int, message: str) -> None:
+            self.exitcode, self.message, self.timestamp = code, message, 0
+
+    cause = "ddptrain: error: reading sample 3 of the dataset raised OSError: gone"
+    stopped = "ddptrain: stopped: stopped by SIGTERM outside the training loop"
+    assert last_word({0: Failure(75, stopped), 1: Failure(2, cause)}, 1) == cause
+    assert last_word({0: Failure(2, cause), 1: Failure(2, cause)}, 1) is None
+    assert last_word({0: Failure(75, ""), 1: Failure(2, cause)}, 1) is None
+    assert last_word({0: Failure(75, stopped), 1: Failure(75, stopped)}, 1) is None
+
+
 def test_a_rank_killed_by_a_signal_is_one_line_and_128_plus_its_number() -> None:
     """A rank with an exit code said why itself; one killed by a signal could not, so the
     launcher says it (and how many other ranks the job stopped)."""

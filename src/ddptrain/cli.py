@@ -16,8 +16,10 @@ other exit codes are listed in `ddptrain.errors`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
+import json
 import os
 import re
 import sys
@@ -88,15 +90,21 @@ def _train(argv: list[str]) -> int:
 
 def _cmd_export(argv: list[str]) -> int:
     from ddptrain.checkpoint import export_safetensors
+    from ddptrain.checkpoint.export import export_checkpoint_adapter
 
-    parser = ErrorParser(prog="ddptrain export", description="Export model weights to safetensors.")
+    parser = ErrorParser(prog="ddptrain export", description="Export model weights to safetensors "
+                         "(a LoRA run's adapters merged, as its model.safetensors).")
     parser.add_argument(
         "checkpoint", type=Path, help="a ddptrain checkpoint: a .pt file, a DCP step directory "
         "(or the checkpoints/latest or best naming one), or a run directory (its newest)"
     )
-    parser.add_argument("output", type=Path, help="the .safetensors file to write")
+    parser.add_argument("output", type=Path, help="the .safetensors file to write (with "
+                        "--adapter_only: the directory)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the output file if it exists")
+    parser.add_argument("--adapter_only", action="store_true",
+                        help="a LoRA run's checkpoint: write peft's adapter directory (as the "
+                        "run's adapter/), not the merged model")
     args = parser.parse_args(argv)
     checkpoint = args.checkpoint
     from ddptrain.checkpoint.finished import write_errno
@@ -108,7 +116,8 @@ def _cmd_export(argv: list[str]) -> int:
 
         checkpoint = newest_checkpoint(checkpoint)  # a run directory
     try:
-        count = export_safetensors(checkpoint, args.output, args.overwrite)
+        export = export_checkpoint_adapter if args.adapter_only else export_safetensors
+        count = export(checkpoint, args.output, args.overwrite)
     except Exception as exc:  # a write that fails (a full disk): one line, as train's
         code = write_errno(exc)
         if code is None:
@@ -118,7 +127,7 @@ def _cmd_export(argv: list[str]) -> int:
                 f"{code}) (nothing was left there): "
                 f"{'' if denied else 'free space or '}give another output")
         return EXIT_USAGE if denied else EXIT_IO
-    print(f"wrote {count} tensors to {args.output}")
+    print(f"wrote {count} {'adapter ' if args.adapter_only else ''}tensors to {args.output}")
     return 0
 
 
@@ -155,8 +164,12 @@ def _after_args(argv: list[str], prog: str, what: str, output_help: str) -> tupl
         help="a run directory, a checkpoint (.pt file or DCP step directory), or a "
         "model.safetensors beside its config.yaml",
     )
-    parser.add_argument("--split", default="val", choices=("val", "train"),
-                        help="which half of the data (default: val, the run's validation set)")
+    parser.add_argument(
+        "--split", default=None, choices=("val", "train", "all"),
+        help="which samples: val (the run's validation set), train, or all (every sample: "
+        "a dataset ddptrain would split, whole and in its order; a (train, val) pair, train "
+        "then val). Default: all for a --dataset other than the run's, else val",
+    )
     parser.add_argument("--output", type=Path, default=None, help=output_help)
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the --output file if it exists")
@@ -190,7 +203,7 @@ def _cmd_evaluate(argv: list[str]) -> int:
                        overwrite=args.overwrite)
     if _rank() == "0":
         text = " | ".join(f"{k} {v:.6g}" for k, v in figures.items() if k != "samples")
-        print(f"evaluate {args.source} ({args.split}, {figures.get('samples', 0)} samples): "
+        print(f"evaluate {args.source} ({figures.get('samples', 0)} samples): "
               f"{text}" + (f" | wrote {args.output}" if args.output else ""), flush=True)
     return 0
 
@@ -207,10 +220,8 @@ def _cmd_predict(argv: list[str]) -> int:
         return 0
     if args.output is None:
         raise ConfigError("predict needs --output: a .npy, .pt or .jsonl file to write")
-    rows = predict(args.source, args.output, split=args.split, argv=rest,
-                   trust_checkpoint_code=args.trust_checkpoint_code, overwrite=args.overwrite)
-    if _rank() == "0":
-        print(f"wrote {rows} rows to {args.output}", flush=True)
+    predict(args.source, args.output, split=args.split, argv=rest,  # it logs what it wrote
+            trust_checkpoint_code=args.trust_checkpoint_code, overwrite=args.overwrite)
     return 0
 
 
@@ -410,3 +421,15 @@ def _report(text: str) -> None:
     # and its newline separately, so two ranks' lines could run together.
     sys.stderr.write(f"{prefix}ddptrain: {text}\n")
     sys.stderr.flush()
+    _tell_agent(f"ddptrain: {text}")
+
+
+def _tell_agent(line: str) -> None:
+    """Leave the line in torchrun's error file for this rank (TORCHELASTIC_ERROR_FILE, in the
+    form torchrun reads), so that `ddprun` (`launch.torchrun`) can say the root cause's line
+    again last, after the lines of the ranks the job then stopped."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump({"message": line, "timestamp": int(time.time())}, f)

@@ -1,8 +1,8 @@
-"""torchrun, with ddptrain's report of a failed job: `python -m ddptrain.launch.torchrun`
-takes torchrun's flags and runs torchrun's own agent (`scripts/launch.sh` starts jobs
-through it).
+"""torchrun, with ddptrain's report of a failed job: `ddprun` (the console script), or
+`python -m ddptrain.launch.torchrun`, takes torchrun's flags and runs torchrun's own agent
+(`scripts/launch.sh` starts jobs through it).
 
-    python -m ddptrain.launch.torchrun --standalone --nproc_per_node=2 -m ddptrain train ...
+    ddprun --standalone --nproc_per_node=2 -m ddptrain train ...
 
 Plain torchrun ends every failed job with its own 30-line `ChildFailedError` traceback
 after the ranks' lines, and reports any failure as exit 1. Here a rank that exits with a
@@ -14,7 +14,9 @@ rank killed by a signal says nothing, so this says it, in one line, and exits 12
 signal's number (137 for SIGKILL, the out-of-memory killer's). A rank SIGKILLed after
 another had failed was torchrun's own kill, of a rank still running 30 s after its
 SIGTERM (one stalled in its own code, whose peers lost it): stopped, not the cause, and
-the job's code is its peers' 3. torchrun's start-up banner
+the job's code is its peers' 3. The root cause's own line, which each rank leaves in
+torchrun's error file, is said again last where a rank the job stopped spoke after it
+(`last_word`): the line a user reads last is the cause's. torchrun's start-up banner
 and agent warnings are left out too; set LOGLEVEL (torchrun's own variable) to see them.
 """
 
@@ -81,6 +83,22 @@ def failure_report(failures: dict[int, Any], first: int) -> tuple[str | None, in
     return line, 128 - code
 
 
+def last_word(failures: dict[int, Any], cause: int) -> str | None:
+    """The root cause's own `ddptrain:` line (each rank leaves its line in torchrun's error
+    file, `cli._tell_agent`), to say again last where a rank the job stopped said its own
+    line (stopped, or lost its peer), likely after it; None where none did, or where the
+    cause itself was stopped (every rank then says the same)."""
+    def said(rank: int) -> str:
+        message = getattr(failures[rank], "message", "")
+        return message if isinstance(message, str) and message.startswith("ddptrain: ") else ""
+
+    if not said(cause) or stopped_by_job(failures, cause):
+        return None
+    if not any(said(r) and stopped_by_job(failures, r) for r in failures if r != cause):
+        return None
+    return said(cause)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -97,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         line, code = failure_report(exc.failures, cause)
         if not stopped_by_job(exc.failures, cause):
             note_exit(code, cause=True)  # over what a rank this job stopped noted
+        if line is None:
+            line = last_word(exc.failures, cause)
         if line is not None:
             sys.stderr.write(line + "\n")
         return code
