@@ -43,7 +43,7 @@ from ddptrain.checkpoint.streamed import (
     write_files,
 )
 from ddptrain.context import DistributedContext
-from ddptrain.errors import few
+from ddptrain.errors import ConfigError, few
 from ddptrain.files import (
     SUMS_FILE,
     atomic_write_text,
@@ -78,7 +78,10 @@ def export_safetensors_state(state: dict[str, torch.Tensor], out: Path,
     # safetensors stores whole storages only.
     owned: dict[int, torch.Tensor] = {}  # one copy per tensor: tied names stay tied
     weights = {k: owned.setdefault(id(v), _own_storage(v.detach())) for k, v in state.items()}
-    shared = _remove_duplicate_names(weights)  # {kept name: [aliases of the same tensor]}
+    # a tie kept under its first name in the state's order, as the run's own export keeps it
+    firsts = {v.untyped_storage().data_ptr(): k for k, v in reversed(weights.items())}
+    shared = _remove_duplicate_names(  # {kept name: [aliases of the same tensor]}
+        weights, preferred_names=list(firsts.values()))
     aliases = {alias: name for name, names in shared.items() for alias in names}
     tensors = {k: v.cpu().contiguous() for k, v in weights.items() if k not in aliases}
     metadata = with_metadata_sum({"format": "pt", **{f"tied:{a}": n for a, n in aliases.items()},
@@ -95,13 +98,19 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 def export_safetensors(checkpoint: Path, out: Path, overwrite: bool = False) -> int:
     """`ddptrain export`: the whole model of a checkpoint (a `.pt` file or a DCP step
     directory of any world size), for inference; a damaged checkpoint is refused, and an
-    existing `out` replaced only with `overwrite`."""
+    existing `out` replaced only with `overwrite`. A LoRA run's checkpoint (its stored
+    config has `lora_rank`) is merged as the run's own end merges it (`stored_lora`,
+    `parallel.lora.merged`): the file is the run's `model.safetensors`, plain names."""
     from ddptrain.checkpoint.dcp import follow_pointer, model_chunks_from_dir
 
     check_output(out, "output", overwrite)
     checkpoint = follow_pointer(checkpoint)
-    if not checkpoint.is_dir():
-        return export_safetensors_state(checkpoint_model_state(checkpoint), out, overwrite)
+    if not checkpoint.is_dir() or _stored_config(checkpoint).get("lora_rank"):
+        # a LoRA step directory read whole: its merge needs each layer's three tensors
+        state, config = _state_and_config(checkpoint)
+        lora = stored_lora(state, config)
+        return export_safetensors_state(merged(state, lora) if lora is not None else state,
+                                        out, overwrite)
     # A step directory: read and written a few tensors at a time, never the whole model.
     _check_step_dir(checkpoint)
     entries, chunks = model_chunks_from_dir(checkpoint)
@@ -116,6 +125,90 @@ def export_safetensors(checkpoint: Path, out: Path, overwrite: bool = False) -> 
             raise
         stream.close()
     return len(entries)
+
+
+def export_checkpoint_adapter(checkpoint: Path, out: Path, overwrite: bool = False) -> int:
+    """`ddptrain export CHECKPOINT OUTDIR --adapter_only`: a LoRA run's checkpoint's peft
+    adapter directory (`export_adapter`, the run's own `adapter/`); returns the adapter
+    tensor count. A checkpoint without adapters, or an existing `out` without
+    `overwrite`, is refused with one line."""
+    from ddptrain.checkpoint.dcp import follow_pointer
+
+    if os.path.lexists(out):
+        if not overwrite:
+            raise ConfigError(f"output {str(out)!r} exists: give another name, or add "
+                              "--overwrite to replace it")
+        if out.is_symlink() or not out.is_dir():
+            raise ConfigError(f"output {str(out)!r} is not a directory: --adapter_only writes "
+                              "peft's adapter directory, give a directory name")
+    check_output(out / "adapter_model.safetensors", "output", True)  # a live run's directory
+    checkpoint = follow_pointer(checkpoint)
+    state, config = _state_and_config(checkpoint)
+    lora = stored_lora(state, config)
+    if lora is None:
+        raise ConfigError(f"{str(checkpoint)!r} holds no LoRA adapters (its run had no "
+                          "--lora_rank): export the whole model, without --adapter_only")
+    export_adapter(state, out, lora)
+    return sum(1 for k in state if is_adapter(k))
+
+
+def _stored_config(checkpoint: Path) -> dict[str, Any]:
+    """The config a checkpoint was written under (a step directory's progress file only;
+    a `.pt` file is read whole)."""
+    return dict(load_checkpoint(checkpoint, torch.device("cpu")).get("config") or {})
+
+
+def _state_and_config(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A checkpoint's whole model state (checksums checked) and its stored config; a
+    `.pt` file read once."""
+    if checkpoint.is_dir():
+        return checkpoint_model_state(checkpoint), _stored_config(checkpoint)
+    payload = load_checkpoint(checkpoint, torch.device("cpu"), verify=True)
+    return dict(payload["model_state_dict"]), dict(payload.get("config") or {})
+
+
+# transformers' models whose linears are Conv1D (weight stored (in, out)): GPT-2's family
+_CONV1D_MODELS = ("gpt2", "openai-gpt", "imagegpt", "decision_transformer")
+
+
+def stored_lora(state: dict[str, torch.Tensor], config: dict[str, Any]) -> LoraSpec | None:
+    """The adapters of a LoRA run's checkpoint (`state`: its module as it trained) from
+    its stored `config`, without building the model (`parallel.lora.lora_spec`'s spec for
+    the merge and peft's config): the wrapped layers are those with adapters; a layer
+    stores its weight (in, out) (transformers' Conv1D) where its base weight has B @ A's
+    shape transposed; a square one follows the other wrapped layers (a model's blocks are
+    of one kind), and where all are square, the model's `config.json` says (GPT-2's
+    family). None for a checkpoint without adapters."""
+    rank = config.get("lora_rank")
+    if not rank or not any(is_adapter(k) for k in state):
+        return None
+    suffix = f".lora_A.{ADAPTER}.weight"
+    layers = [k.removesuffix(suffix) for k in state if k.endswith(suffix)]
+    kinds: dict[str, bool] = {}  # a non-square layer: is it stored (in, out)?
+    for layer in layers:
+        ins = state[layer + suffix].shape[1]
+        outs = state[f"{layer}.lora_B.{ADAPTER}.weight"].shape[0]
+        if ins != outs:
+            kinds[layer] = tuple(state[f"{layer}.base_layer.weight"].shape) == (ins, outs)
+    model = str(config.get("model") or "")
+    base = model[len("hf:"):] if model.startswith("hf:") else None
+    square = any(kinds.values()) if kinds else _conv1d_model(base)
+    return LoraSpec(
+        names=tuple(layers), rank=int(rank), alpha=float(config.get("lora_alpha") or 2.0 * rank),
+        dropout=float(config.get("lora_dropout") or 0.0),
+        flipped=frozenset(n for n in layers if kinds.get(n, square)), base=base,
+    )
+
+
+def _conv1d_model(directory: str | None) -> bool:
+    """Whether the Hugging Face model in `directory` is of GPT-2's family (Conv1D)."""
+    if directory is None:
+        return False
+    try:
+        kind = json.loads((Path(directory) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return kind in _CONV1D_MODELS
 
 
 def _check_step_dir(checkpoint: Path, ctx: DistributedContext | None = None) -> None:
