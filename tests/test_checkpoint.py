@@ -198,6 +198,10 @@ def test_export_writes_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture
         capsys, ["export", str(run / "checkpoints" / LATEST), str(out)]
     )
     assert main(["export", str(run / "checkpoints" / LATEST), str(out), "--overwrite"]) == 0
+    assert "holds no LoRA adapters" in _one_line(  # --adapter_only of a run without them
+        capsys, ["export", str(run / "checkpoints" / LATEST), str(tmp_path / "adapter"),
+                 "--adapter_only"])
+    assert not (tmp_path / "adapter").exists()
 
 
 # ---------------------------------------------------------------- streamed .pt saves

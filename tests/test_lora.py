@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ddptrain import fit
@@ -103,6 +104,47 @@ def test_the_adapter_directory_loads_with_peft_and_gives_the_runs_outputs(
         assert not torch.allclose(base(ids).logits, want, atol=1e-3)  # it did train
     # GPT-2's Conv1D stores its weight (in, out): the merge transposes B @ A for it
     assert transposed(base) >= {"transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_fc"}
+    _exports_as_the_run(run, tmp_path / "out")  # export of its checkpoint merges them alike
+
+
+def _exports_as_the_run(run: Path, out: Path) -> None:
+    """`ddptrain export` of the run's final checkpoint is the run's merged
+    `model.safetensors` (names and tensors), and with --adapter_only its `adapter/`."""
+    import json
+
+    from ddptrain.cli import main
+
+    final = str(next(p for p in (run / "checkpoints" / n for n in ("latest.pt", "latest"))
+                     if p.exists()))  # a .pt file, or the pointer to a step directory
+    assert main(["export", final, str(out / "model.safetensors")]) == 0
+    exported = load_file(str(out / "model.safetensors"))
+    own = load_file(str(run / "model.safetensors"))
+    with safe_open(str(run / "model.safetensors"), "pt") as f:  # {alias: kept name}
+        ties = {k[len("tied:"):]: v for k, v in (f.metadata() or {}).items()
+                if k.startswith("tied:")}
+    # a step directory keeps no tie: its copy of the tied head is written too, equal
+    twice = {a: k for a, k in ties.items() if a in exported}
+    assert exported.keys() - twice.keys() == own.keys() and not any(map(is_adapter, exported))
+    for name, value in {**own, **{a: own[k] for a, k in twice.items()}}.items():
+        assert torch.equal(exported[name], value), name
+    assert main(["export", final, str(out / "adapter"), "--adapter_only"]) == 0
+    exported, own = (load_file(str(d / "adapter_model.safetensors"))
+                     for d in (out / "adapter", run / "adapter"))
+    assert exported.keys() == own.keys() and own
+    assert all(torch.equal(exported[k], own[k]) for k in own)
+    configs = [json.loads((d / "adapter_config.json").read_text())
+               for d in (out / "adapter", run / "adapter")]
+    for config in configs:  # peft keeps the targets as a set: written in any order
+        config["target_modules"] = sorted(config["target_modules"])
+    assert configs[0] == configs[1]
+
+
+@pytest.mark.parametrize("kind", ["file", "dcp"])
+def test_export_of_a_lora_checkpoint_is_the_runs_merged_model_and_adapter(
+    tmp_path: Path, kind: str,
+) -> None:
+    fit(TrainingConfig(output_dir=str(tmp_path / "run"), epochs=1, checkpoint_format=kind, **GPT))
+    _exports_as_the_run(tmp_path / "run", tmp_path / "out")
 
 
 def _resumed_bit_for_bit(tmp_path: Path, fields: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -149,6 +191,31 @@ def test_qlora_trains_on_a_4_bit_base_resumes_bit_for_bit_and_exports_its_merge(
     assert {n.replace(".base_layer.", ".") for n in bases} <= exported.keys()
     for name, value in exported.items():  # the tied head is stored once, as wte
         torch.testing.assert_close(value, merge[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("fields", [
+    {"lora_rank": 4}, {"lora_rank": 4, "lora_quantize": "nf4"},
+    {"lora_rank": 0, "lora_alpha": None, "freeze": ["blocks.0.*"]},
+], ids=["lora", "qlora", "freeze"])
+def test_the_dry_runs_bytes_per_rank_are_what_the_run_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: dict[str, Any]
+) -> None:
+    """`--dry_run`'s memory line counts the run as it trains: gradients and AdamW state of
+    the adapters (or what `--freeze` leaves) alone, the base as it is held (nf4: its 4-bit
+    bytes), equal to the real run's strategy's own figures (`rank_bytes`)."""
+    import ddptrain.train
+
+    plans: list[Any] = []
+    plain = ddptrain.train.format_plan
+    monkeypatch.setattr(ddptrain.train, "format_plan",
+                        lambda plan, config: plans.append(plan) or plain(plan, config))
+    job = {**GPT, "optimizer": "adamw", "epochs": 1, "batch_size": 512, **fields}
+    assert fit(TrainingConfig(output_dir=str(tmp_path / "dry"), dry_run=True, **job)) == {
+        "dry_run": True}
+    (plan,) = plans
+    held = fit(TrainingConfig(output_dir=str(tmp_path / "run"), **job))["rank0_bytes"]
+    assert plan.rank_bytes == held
+    assert held["grads"] < held["params"] and held["optimizer"] == 2 * held["grads"]
 
 
 def test_init_from_a_plain_model_fills_the_wrapped_layers(tmp_path: Path) -> None:

@@ -418,8 +418,17 @@ def tensors_by_identity(module: nn.Module) -> list[tuple[list[str], torch.Tensor
     return list(groups.values())
 
 
+# The tensors torchao's NF4Tensor (`--lora_quantize nf4`) stores a weight in: 4 bits a
+# weight, an int8 scale per block of 64, the scales' own factors and mean.
+NF4_PARTS = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
+
+
 def nbytes(t: torch.Tensor) -> int:
+    """The bytes `t` holds on this rank: a DTensor's local part, an NF4 weight's 4-bit
+    storage (not its size dequantized)."""
     local = local_tensor(t)
+    if all(hasattr(local, part) for part in NF4_PARTS):
+        return sum(nbytes(getattr(local, part)) for part in NF4_PARTS)
     return local.numel() * local.element_size()
 
 

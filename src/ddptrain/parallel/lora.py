@@ -17,8 +17,9 @@ itself. At the end a run writes `adapter/` (peft's adapter directory:
 `PeftModel.from_pretrained` over the base model) and, in `model.safetensors` (and `hf/`),
 the weights merged under the base model's own names (`merged`): a plain model, which
 `ddptrain evaluate` and any loader of the base architecture read as it is. A checkpoint
-given to `evaluate` is merged the same way (`ddptrain export` of a checkpoint keeps the
-module's names, adapters included).
+given to `evaluate` is merged the same way, and so is one given to `ddptrain export`
+(`checkpoint.export.stored_lora`: the spec from its stored config and tensors), whose
+`--adapter_only` writes the adapter directory instead.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 
 from ddptrain.errors import ConfigError
 from ddptrain.log import quietly
+from ddptrain.parallel.base import nbytes
 
 ADAPTER = "default"  # peft's name for the one adapter
 BASE = ".base_layer"
@@ -187,8 +189,27 @@ NF4_BLOCK = 64  # weights per scale (QLoRA's)
 
 
 def _nf4_bytes(quantized: Any) -> int:
-    parts = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
-    return sum(t.numel() * t.element_size() for t in (getattr(quantized, p) for p in parts))
+    return nbytes(quantized)
+
+
+def nf4_freed(module: nn.Module, spec: LoraSpec | None, config: Any) -> int:
+    """The bytes `quantize_base` frees on `module` (adapted, its wrapped layers' weights
+    plain or already quantized) under `--lora_quantize nf4`, else 0; from the weights'
+    shapes alone: what a plan made on the meta device (`--dry_run`) and the run's own
+    plan count."""
+    if spec is None or config.lora_quantize == "off":
+        return 0
+    freed = 0
+    for name in spec.names:
+        layer: Any = module.get_submodule(name).base_layer  # peft's wrapped layer
+        n, size = layer.weight.numel(), layer.weight.element_size()
+        if n % NF4_BLOCK:
+            continue  # left as it is by quantize_base
+        scalers = n // NF4_BLOCK
+        factors = scalers // math.gcd(scalers, 256)
+        # 4 bits a weight, an int8 scale per block, the scales' factors and their mean
+        freed += n * size - (n // 2 + scalers + (factors + 1) * size)
+    return freed
 
 
 def _dequantized(layer: Any, state: dict[str, Any], prefix: str, _: Any) -> None:

@@ -24,11 +24,13 @@ def optimizer_slots(config: TrainingConfig) -> int:
 
 
 def implied_bytes(strategy: str, world_size: int, parameters: int, slots: int,
-                  trained: int | None = None) -> dict[str, int]:
+                  trained: int | None = None, freed: int = 0) -> dict[str, int]:
     """fp32 bytes of parameters, gradients and optimizer state one rank holds; gradients
-    and optimizer state only of the `trained` parameters (default: all of them)."""
+    and optimizer state only of the `trained` parameters (default: all of them); the
+    parameters `freed` bytes fewer (`--lora_quantize nf4`'s 4-bit base, whole model)."""
     trained = parameters if trained is None else trained
-    full, shard = 4 * parameters, 4 * math.ceil(parameters / world_size)
+    full = 4 * parameters - freed
+    shard = 4 * math.ceil(parameters / world_size) - math.ceil(freed / world_size)
     grads, grad_shard = 4 * trained, 4 * math.ceil(trained / world_size)
     if strategy == "fsdp":
         return {"params": shard, "grads": grad_shard, "optimizer": slots * grad_shard}

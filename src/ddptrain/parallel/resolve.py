@@ -46,8 +46,10 @@ class StrategyChoice:
     auto_format: bool = False  # --checkpoint_format auto: the kind may follow the size
     layout: MeshLayout | None = None  # --tp, --dp_replicate: the device mesh's degrees
 
-    def rank_bytes(self, parameters: int, slots: int, trained: int | None = None) -> dict[str, int]:
-        """fp32 bytes of parameters, gradients and optimizer state one rank holds (under
+    def rank_bytes(self, parameters: int, slots: int, trained: int | None = None,
+                   freed: int = 0) -> dict[str, int]:
+        """fp32 bytes of parameters, gradients and optimizer state one rank holds, `freed`
+        bytes of the parameters fewer (`--lora_quantize`'s 4-bit base) (under
         tp, as if every parameter were split: the whole embeddings and norms are not;
         under pp, as if the stages held alike)."""
         layout = self.layout or MeshLayout(dp_shard=self.world_size)
@@ -56,7 +58,7 @@ class StrategyChoice:
         split = layout.tp * layout.pp
         sharded_over = layout.dp_shard * split if self.name == "fsdp" else split
         name = "fsdp" if self.name == "fsdp" or split > 1 else self.name
-        return implied_bytes(name, sharded_over, parameters, slots, trained)
+        return implied_bytes(name, sharded_over, parameters, slots, trained, freed)
 
     @property
     def label(self) -> str:

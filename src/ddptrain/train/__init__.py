@@ -8,7 +8,7 @@ from __future__ import annotations
 from ddptrain.train.evaluate import Evaluator
 from ddptrain.train.metrics import MetricSums
 from ddptrain.train.optim import build_scheduler, peak_lr
-from ddptrain.train.plan import RunPlan, format_plan, make_plan
+from ddptrain.train.plan import RunPlan, as_trained, format_plan, make_plan
 from ddptrain.train.precision import Precision, resolve_precision
 from ddptrain.train.tasks import Task, head_size, ranking, resolve_task
 from ddptrain.train.trainer import Trainer
@@ -20,6 +20,7 @@ __all__ = [
     "RunPlan",
     "Task",
     "Trainer",
+    "as_trained",
     "build_scheduler",
     "format_plan",
     "head_size",

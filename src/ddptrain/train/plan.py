@@ -15,12 +15,16 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ddptrain.config import TrainingConfig
 from ddptrain.data import DataBundle, samples_dropped, steps_per_epoch
+from ddptrain.observe.flops import meta_shadow
 from ddptrain.observe.startup import Phases
 from ddptrain.parallel import StrategyChoice, resolve_strategy
+from ddptrain.parallel.lora import adapt, nf4_freed
 from ddptrain.parallel.memory import format_bytes, human_bytes, human_count, optimizer_slots
+from ddptrain.parallel.parts import freeze
 from ddptrain.train.optim import peak_lr
 from ddptrain.train.precision import Precision, resolve_precision
 from ddptrain.train.tasks import LanguageModel, ModelLoss, Task, resolve_task
@@ -94,9 +98,12 @@ def make_plan(
     precision: str, task: str, parameters: int | None, strategy: StrategyChoice,
     steps: int | None = None, frozen: int | None = None, groups: list[str] | None = None,
     trained_bytes: int | None = None, experts: tuple[int, int] | None = None,
+    freed: int = 0,
 ) -> RunPlan:
     """`steps`: optimizer steps per epoch as the trainer's batches counted them (derived
-    from the data when no trainer exists yet: the dry run)."""
+    from the data when no trainer exists yet: the dry run); `frozen`: the parameters that
+    do not train (--freeze's, a LoRA run's base: no gradients, no optimizer state);
+    `freed`: the bytes `--lora_quantize`'s 4-bit base saves (`parallel.lora.nf4_freed`)."""
     cfg, b, k = config, config.batch_size, config.grad_accum_steps
     # Ranks that split a model (--tp) share one batch: the data is split over the others.
     w = strategy.layout.data_parallel if strategy.layout else world_size
@@ -121,12 +128,29 @@ def make_plan(
         peak_lr=peak_lr(cfg, w), warmup_steps=cfg.warmup_epochs * spe if spe else None,
         checkpoints=", ".join(cadence) + f" {_kind(strategy, parameters, cfg)} into {cfg.ckpt_dir}",
         rank_bytes=None if parameters is None else strategy.rank_bytes(
-            parameters, optimizer_slots(cfg), None if frozen is None else parameters - frozen
+            parameters, optimizer_slots(cfg), None if frozen is None else parameters - frozen,
+            freed,
         ),
         device_bytes=strategy.device_bytes, largest=strategy.largest_models(optimizer_slots(cfg)),
         classes=_classes(data, task), frozen=frozen, groups=tuple(groups or ()),
         trained_bytes=trained_bytes, experts=experts,
     )
+
+
+def as_trained(model: nn.Module, config: TrainingConfig) -> tuple[nn.Module, int | None, int]:
+    """`model` as the run trains it, on a meta-device copy (a model of any size, the given
+    one left as it is): `--lora_rank`'s adapters added, the rest and `--freeze`'s
+    parameters frozen, as the trainer makes it (`adapt`, `prepare_module`); with the
+    parameters that do not train and the bytes `--lora_quantize`'s 4-bit base saves, for
+    a plan made before any trainer (the dry run's): gradients and optimizer state of the
+    trained parameters alone."""
+    shadow = meta_shadow(model)
+    if shadow is None:  # cannot be copied: counted as it is, all of it trained
+        return model, None, 0
+    spec = adapt(shadow, config)
+    freeze(shadow, config.freeze)
+    frozen = sum(p.numel() for p in shadow.parameters() if not p.requires_grad)
+    return shadow, frozen, nf4_freed(shadow, spec, config)
 
 
 def _classes(data: DataBundle, task: str) -> str | None:

@@ -61,7 +61,7 @@ from ddptrain.observe.startup import Phases
 from ddptrain.observe.trackers import tracker_hooks
 from ddptrain.observe.writer import RunLogError
 from ddptrain.parallel.base import nbytes
-from ddptrain.parallel.lora import LoraSpec, adapt
+from ddptrain.parallel.lora import LoraSpec, adapt, nf4_freed
 from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.parallel.mesh import attach_mesh
 from ddptrain.parallel.parts import prepare_module
@@ -477,8 +477,8 @@ class Trainer:
         return make_plan(
             self.config, self.data, self.ctx.world_size, str(self.ctx.device),
             self.ctx.backend or "none", self.precision.describe(), self.task.name,
-            self.parameter_count, self.choice,
-            self.steps_per_epoch, frozen=self.frozen, groups=self.optimization.lines,
+            self.parameter_count, self.choice, self.steps_per_epoch, frozen=self.frozen,
+            groups=self.optimization.lines, freed=nf4_freed(self.module, self.lora, self.config),
             trained_bytes=sum(nbytes(p) for p in self.module.parameters() if p.requires_grad),
             experts=(sum(p.numel() for p in experts), sum(nbytes(p) for p in experts))
             if (experts := expert_parameters(self.module)) else None,
