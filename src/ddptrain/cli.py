@@ -427,9 +427,12 @@ def _report(text: str) -> None:
 def _tell_agent(line: str) -> None:
     """Leave the line in torchrun's error file for this rank (TORCHELASTIC_ERROR_FILE, in the
     form torchrun reads), so that `ddprun` (`launch.torchrun`) can say the root cause's line
-    again last, after the lines of the ranks the job then stopped."""
+    again last, after the lines of the ranks the job then stopped. Only under `ddprun`
+    (`SAY_LAST`): plain torchrun would print the line again inside its own report."""
+    from ddptrain.launch.signals import SAY_LAST
+
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
+    if not path or not os.environ.get(SAY_LAST):
         return
     with contextlib.suppress(OSError), open(path, "w") as f:
         json.dump({"message": line, "timestamp": int(time.time())}, f)

@@ -145,6 +145,9 @@ def exit_at_once_on_signals(rank: int) -> Iterator[None]:
 # what a rank ends with when its launcher stops it, or when a peer it waits on has ended:
 # never the job's cause while another rank's own failure is known
 STOPPED = (EXIT_PREEMPTED, EXIT_PREEMPTED_K8S, EXIT_PEER_LOST)
+# set by `ddprun` for its workers: each leaves its one line in torchrun's error file, for the
+# launcher to say the root cause's last (`launch.torchrun.last_word`)
+SAY_LAST = "DDPTRAIN_SAY_LAST"
 
 
 def noted_exit(path: str) -> tuple[int, int] | None:

@@ -28,7 +28,7 @@ import signal
 import sys
 from typing import Any
 
-from ddptrain.launch.signals import STOPPED, note_exit
+from ddptrain.launch.signals import SAY_LAST, STOPPED, note_exit
 
 # torchrun's modules log through loggers of these names (`elastic.utils.logging`)
 AGENT_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in list(logging.Logger.manager.loggerDict):
             if name.startswith(AGENT_LOGGERS):
                 logging.getLogger(name).setLevel(logging.ERROR + 1)
+    os.environ[SAY_LAST] = "1"  # the workers leave their line for `last_word`
     try:
         run(parse_args(argv))
     except ChildFailedError as exc:
