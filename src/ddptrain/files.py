@@ -180,17 +180,20 @@ def refuse_special(path: Path, what: str) -> None:
                           "socket): give a file")
 
 
-def check_output(path: Path, flag: str, overwrite: bool) -> None:
+def check_output(path: Path, flag: str, overwrite: bool, directory: bool = False) -> None:
     """Refuse, before any work, an output the user did not ask to replace (`--overwrite`),
-    one that is not a regular file, or one inside a run directory a live run holds."""
+    one that is not a regular file (with `directory`: not a directory), or one inside (or
+    that is) a run directory a live run holds."""
     if os.path.lexists(path):
         if not overwrite:
             raise ConfigError(f"{flag} {str(path)!r} exists: give another name, or add "
                               "--overwrite to replace it")
-        if path.is_symlink() or not path.is_file():
-            raise ConfigError(f"{flag} {str(path)!r} is not a regular file (a directory, "
-                              "link, device or FIFO): give a file name")
-    for folder in path.absolute().parents:
+        if path.is_symlink() or not (path.is_dir() if directory else path.is_file()):
+            kind = ("a directory" if directory
+                    else "a regular file (a directory, link, device or FIFO)")
+            raise ConfigError(f"{flag} {str(path)!r} is not {kind}: give a "
+                              f"{'directory' if directory else 'file'} name")
+    for folder in [path.absolute()] * directory + list(path.absolute().parents):
         holder = live_holder(folder)
         if holder is not None:
             raise ConfigError(

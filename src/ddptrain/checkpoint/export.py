@@ -134,14 +134,7 @@ def export_checkpoint_adapter(checkpoint: Path, out: Path, overwrite: bool = Fal
     `overwrite`, is refused with one line."""
     from ddptrain.checkpoint.dcp import follow_pointer
 
-    if os.path.lexists(out):
-        if not overwrite:
-            raise ConfigError(f"output {str(out)!r} exists: give another name, or add "
-                              "--overwrite to replace it")
-        if out.is_symlink() or not out.is_dir():
-            raise ConfigError(f"output {str(out)!r} is not a directory: --adapter_only writes "
-                              "peft's adapter directory, give a directory name")
-    check_output(out / "adapter_model.safetensors", "output", True)  # a live run's directory
+    check_output(out, "output", overwrite, directory=True)  # peft's adapter directory
     checkpoint = follow_pointer(checkpoint)
     state, config = _state_and_config(checkpoint)
     lora = stored_lora(state, config)
