@@ -351,6 +351,19 @@ def test_mfu_counts_a_hugging_face_models_flops() -> None:
     assert flops >= 6 * matmul_params * 16
 
 
+def test_mfu_counts_the_experts_of_a_mixture() -> None:
+    """The GPT's experts (the grouped GEMM) are counted on the meta device: a second expert
+    a token costs one more MLP a token (the GPU's MFU row crashed on "meta" before)."""
+    from ddptrain.models.gpt import build_gpt
+    from ddptrain.observe.flops import count_flops
+
+    batch = torch.zeros(2, 16, dtype=torch.long)
+    one, two = (count_flops(build_gpt(64, 16, 128, experts=4, top_k=k), batch)
+                for k in (1, 2))
+    mlp = 6 * batch.numel() * 2 * 128 * 512 * 2  # forward and backward, 2 blocks
+    assert mlp <= two - one <= 1.05 * mlp  # the one-hot bias products beside it
+
+
 @pytest.mark.parametrize(
     ("layout", "backend", "device", "refused"),
     [({"tp": 2}, "gloo", "cuda", True), ({"pp": 2}, "gloo", "cuda", True),
@@ -381,8 +394,8 @@ def test_gpu_check_reports_its_committed_figures_and_says_when_there_is_no_gpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`make gpu-check` without CUDA: one line, exit 0. Its committed figures
-    (bench/gpu_check.json, merged from two H200 runs with --update) render the GPU
-    section, each check with its verdict and the refused gloo layouts with their note."""
+    (bench/gpu_check.json, merged from H200 runs with --update) render the GPU section,
+    each check with its verdict, an expected refusal as such."""
     root = Path(__file__).resolve().parents[1]
     monkeypatch.syspath_prepend(str(root))
     from bench import gpu_check
@@ -399,8 +412,14 @@ def test_gpu_check_reports_its_committed_figures_and_says_when_there_is_no_gpu(
     text = docs.read_text()
     assert "Rows not run then come from the run(s) of" in text
     assert "| float8 tensorwise (bf16 autocast) | 1 |" in text
-    assert "| pp 2 (gloo) | 2 | - | - | failed (gloo cannot send a CUDA tensor" in text
+    assert ("| pp 2 (gloo): refused | 2 | - | - | refused before the process group in one "
+            "line (use --backend nccl), as expected |") in text
+    assert ("| experts --ep 2 (nccl, one GPU) | 2 | - | - | refused by NCCL, as expected"
+            in text)
+    assert "| experts fp32 (grouped GEMM) | 1 | 1.2e-07 |" in text
     assert "| 8 | `--compile` | 52,359 |" in text
+    assert "FAILED" not in text
+
 
 def test_gpu_check_compares_the_runs_with_experts_with_a_cpu_run_with_experts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -153,3 +153,45 @@ def test_amp_trains_on_cuda(tmp_path: Path, dtype: str) -> None:
     assert any("peak_cuda_mb" in r for r in rows if r["split"] == "train")
     scaler = torch.load(run / "checkpoints" / "latest.pt", weights_only=True)["scaler_state_dict"]
     assert bool(scaler) == (dtype == "float16")  # a GradScaler only for float16
+
+
+def test_fp16_steps_skipped_by_the_grad_scaler_leave_sgd_momentum_at_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float16 autocast with a GradScaler, as on a GPU (here on the CPU, which runs both):
+    the scaler skips the first steps (their gradients overflow), the fused SGD is handed
+    its found_inf, and its momentum must be the zeros a first step starts from, not the
+    uninitialised memory the fused step allocates (poisoned here with NaN: `make
+    gpu-check`'s fp16 run ended NaN before)."""
+    import ddptrain.train as train
+    import ddptrain.train.plan as plan
+    from ddptrain import fit
+    from ddptrain.train.precision import Precision
+
+    def fp16(config: TrainingConfig, device: torch.device) -> Precision:
+        return Precision(torch.float16, True, "cpu")
+
+    monkeypatch.setattr(plan, "resolve_precision", fp16)
+    monkeypatch.setattr(train, "resolve_precision", fp16)
+    empty_like = torch.empty_like
+
+    def poisoned(t: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        out = empty_like(t, *args, **kwargs)  # type: ignore[arg-type]
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty_like", poisoned)
+    scaler_init = torch.amp.GradScaler.__init__
+
+    def overflowing(self: torch.amp.GradScaler, *args: object, **kwargs: object) -> None:
+        scaler_init(self, *args, init_scale=2.0**20, **kwargs)  # type: ignore[arg-type, misc]
+
+    monkeypatch.setattr(torch.amp.GradScaler, "__init__", overflowing)
+    run = tmp_path / "fp16"
+    config = TrainingConfig(output_dir=str(run), epochs=1, save_every=0, tensorboard=False,
+                            dataset="digits", model="mlp", batch_size=32, width=16,
+                            optimizer="sgd", momentum=0.9, max_grad_norm=1.0, lr=0.05)
+    result = fit(config)
+    scale = torch.load(run / "checkpoints" / "latest.pt", weights_only=True)[
+        "scaler_state_dict"]["scale"]
+    assert scale < 2.0**20  # some steps were skipped
+    assert torch.isfinite(torch.tensor(result["val_loss"]))

@@ -304,7 +304,8 @@ def fused_where_it_can(
         return {}
     if cls in (torch.optim.Adam, torch.optim.AdamW):
         return {"fused": True}
-    if cls is torch.optim.SGD and not any(isinstance(p, DTensor) for p in params):
+    dampened = kwargs.get("dampening") or any(g.get("dampening") for g in groups)
+    if cls is torch.optim.SGD and not dampened and not any(isinstance(p, DTensor) for p in params):
         return {"fused": True}
     return {}
 
@@ -340,7 +341,8 @@ def zero_state(optimizer: torch.optim.Optimizer) -> bool:
     any other optimizer or setting."""
     kind = type(optimizer)
     groups = optimizer.param_groups
-    if kind is torch.optim.SGD and all(g["momentum"] != 0 for g in groups):
+    if kind is torch.optim.SGD and all(g["momentum"] != 0 and not g.get("dampening")
+                                       for g in groups):  # dampened: the first step differs
         for g in groups:
             for p in g["params"]:
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)

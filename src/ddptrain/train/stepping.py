@@ -72,9 +72,12 @@ def optimizer_step(trainer: Trainer, sums: MetricSums) -> torch.Tensor | bool:
             bad = flag if flag is not None else strategy.nonfinite_flags(trainer.params)
         bad = bad.reshape(())  # 0-d, as the optimizers' step counts it is subtracted from
         verdict = bad if skips_on_device(local) else not bool(bad.item())
+    if skips_on_device(local) and not local.state:
+        # A fused SGD's first step skipped, by the flag or by GradScaler's own found_inf
+        # (fp16), leaves its momentum as uninitialised memory: the zeros that step starts
+        # from
+        zero_state(local)
     if isinstance(verdict, torch.Tensor):
-        if not local.state:  # a fused SGD's first step skipped would leave its
-            zero_state(local)  # momentum unset: the zeros that step starts from
         local.found_inf = verdict  # type: ignore[attr-defined]
         try:
             trainer.scaler.step(optimizer)
