@@ -207,7 +207,7 @@ def test_bad_inputs_are_one_line_and_exit_2(
     assert at > 0
     data[at : at + 8] = bytes(8)
     broken.write_bytes(bytes(data))
-    _one_line_exit_2(["predict", str(broken), "--output", str(out)], capsys, "damaged")
+    _one_line_exit_2(["predict", str(broken), *CODE, "--output", str(out)], capsys, "damaged")
     # a damaged export: the safetensors header cut
     run = tmp_path / "run"
     run.mkdir()

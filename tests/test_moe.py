@@ -201,6 +201,29 @@ def test_fsdp_ends_with_ddps_weights_for_the_gpts_mixtrals_and_qwen3s_experts(
                                        msg=f"{name} {key}")
 
 
+@pytest.mark.parametrize(("fields", "world", "label"), [
+    ({"ep": 2}, 2, "ddp; ep 2 over dp"),
+    ({"ep": 2, "strategy": "fsdp"}, 4, "fsdp; ep 2 over dp"),
+    ({"ep": 2, "strategy": "fsdp", "tp": 2}, 4, "fsdp; dp_shard 2 x tp 2; ep 2 over dp"),
+    ({}, 2, "ddp"),
+])
+def test_the_plan_names_where_the_experts_live(
+    fields: dict[str, Any], world: int, label: str
+) -> None:
+    """The layout the plan (and the dry run) prints and summary.json's "layout" say
+    --ep (the slow ep test reads it in summary.json)."""
+    from ddptrain.parallel import resolve_strategy
+    from ddptrain.train.plan import format_plan, make_plan
+
+    config = TrainingConfig(output_dir="unused", **{**GPT, **fields})
+    choice = resolve_strategy(config, world, "cpu")
+    assert choice.label == label
+    data = type("Data", (), {"train": range(64), "facts": type("F", (), {
+        "num_classes": None})()})()
+    plan = make_plan(config, data, world, "cpu", "gloo", "float32", "lm", 1000, choice)
+    assert f"world size      {world} ({label})" in format_plan(plan, config)
+
+
 @pytest.mark.slow
 def test_experts_spread_over_two_ranks_train_as_ddp_and_resume_on_one(tmp_path: Path) -> None:
     """`--ep 2` on 2 ranks (2 of the 4 experts a rank, tokens exchanged with all-to-all;
@@ -225,6 +248,8 @@ def test_experts_spread_over_two_ranks_train_as_ddp_and_resume_on_one(tmp_path: 
         dict(run, output_dir=str(tmp_path / "tp"), tp=2, batch_size=16),
     ])[0]
     _as_ddp(tmp_path, ddp, dict(zip(("ep", "fsdp", "tp"), [ep, *others], strict=True)))
+    assert ep["summary"]["layout"] == "ddp; ep 2 over dp"
+    assert others[0]["summary"]["layout"] == "fsdp; ep 2 over dp"
     exported = load_file(str(tmp_path / "ep" / "model.safetensors"))
     assert exported["blocks.0.mlp.w_in"].shape == (4, 32, 128)
     torch.testing.assert_close(exported["blocks.0.mlp.w_in"], ep["weights"]["blocks.0.mlp.w_in"],

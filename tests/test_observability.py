@@ -171,6 +171,53 @@ def test_runs_of_different_tasks_say_whose_metric_each_curve_is(tmp_path: Path) 
     plt.close(fig)
 
 
+@pytest.mark.curves
+def test_the_done_line_does_not_wait_for_the_curves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The done line is out before the job waits for curves.png's drawing (seconds on a
+    busy machine), and the file is there when the job ends."""
+    import ddptrain.observe.plot as plot
+
+    printed: list[str] = []
+    wait = plot.wait_for_drawings
+
+    def waiting(*args: Any, **kwargs: Any) -> None:
+        printed.append(capsys.readouterr().out)
+        wait(*args, **kwargs)
+
+    monkeypatch.setattr(plot, "wait_for_drawings", waiting)
+    run = tmp_path / "run"
+    assert main(["train", "--dataset", "digits", "--model", "mlp", "--width", "8",
+                 "--epochs", "1", "--no-tensorboard", "--output_dir", str(run)]) == 0
+    assert printed and printed[-1].splitlines()[-1].startswith("done: 1 epochs")
+    assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_draws_every_validation_set(tmp_path: Path) -> None:
+    """A run with `--val hard=... noisy=...`: each set's loss and metric are lines of
+    their own, named after the set, beside the run's own validation line."""
+    import matplotlib.pyplot as plt
+
+    from ddptrain.observe.plot import draw_runs
+
+    run = tmp_path / "r"
+    run.mkdir()
+    rows = [{"split": "train", "epoch": e, "step": 5 * e, "loss": 1.0 / e, "accuracy": 0.5,
+             "lr": 0.1} for e in (1, 2)]
+    rows += [{"split": "val", "epoch": e, "step": 5 * e, "loss": 1.0, "accuracy": 0.6,
+              "hard/loss": 2.0, "hard/accuracy": 0.3, "hard/samples": 10,
+              "noisy/loss": 3.0, "noisy/accuracy": 0.1} for e in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = draw_runs([run])
+    for panel, field in ((fig.axes[0], "loss"), (fig.axes[1], "accuracy")):
+        lines = {line.get_label(): list(line.get_ydata()) for line in panel.get_lines()}
+        assert list(lines) == ["r train", "r val", "r val hard", "r val noisy"]
+        assert lines["r val hard"] == [rows[2][f"hard/{field}"]] * 2
+        assert lines["r val noisy"] == [rows[2][f"noisy/{field}"]] * 2
+    plt.close(fig)
+
+
 def test_plot_of_a_missing_run_dir_is_one_line_and_exit_2(
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

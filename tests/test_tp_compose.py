@@ -350,16 +350,16 @@ def test_a_state_with_the_earlier_fused_rows_loads_head_by_head() -> None:
      "fsdp; pp 2 x dp_shard 4 on 8 rank(s)", "= 13.0 GiB per rank"),
     # 6B of the 7B in experts, a quarter of them on each of 4 ranks: 2.5B held, 16 B each
     (["--world_size", "4", "--experts", "6B", "--ep", "4"],
-     "ddp on 4 rank(s)", "= 37.3 GiB per rank"),
+     "ddp; ep 4 over dp on 4 rank(s)", "= 37.3 GiB per rank"),
     # two groups of 2: half of the experts a rank, 4B held
     (["--world_size", "4", "--experts", "6B", "--ep", "2"],
-     "ddp on 4 rank(s)", "= 59.6 GiB per rank"),
+     "ddp; ep 2 over dp on 4 rank(s)", "= 59.6 GiB per rank"),
     # fsdp shards the experts over their group, then over the groups: 1/8 of everything
     (["--world_size", "8", "--experts", "6B", "--ep", "2", "--strategy", "fsdp"],
-     "fsdp on 8 rank(s)", "= 13.0 GiB per rank"),
+     "fsdp; ep 2 over dp on 8 rank(s)", "= 13.0 GiB per rank"),
     # the same under --tp 2: the rest 1/8 a rank, the experts 1/4 (the tp ranks alike)
     (["--world_size", "8", "--experts", "6B", "--ep", "2", "--tp", "2", "--strategy", "fsdp"],
-     "fsdp; dp_shard 4 x tp 2 on 8 rank(s)", "= 24.2 GiB per rank"),
+     "fsdp; dp_shard 4 x tp 2; ep 2 over dp on 8 rank(s)", "= 24.2 GiB per rank"),
 ])
 def test_doctor_prints_the_layouts_bytes_per_rank(
     flags: list[str], layout: str, per_rank: str, capsys: pytest.CaptureFixture[str],

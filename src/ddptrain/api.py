@@ -75,13 +75,16 @@ def fit(
     hooks: Sequence[Any] = (),
     collate: Any = None,
     val: Mapping[str, Any] | None = None,
+    on_done: Callable[[dict[str, Any]], None] | None = None,
     **fields: Any,
 ) -> dict[str, Any]:
     """Train on this rank and return the run's summary. `fields` override `config`;
     `collate` is a function of a list of samples (or a `module:fn` ref, as `--collate`);
     `model` a module, a function that builds one, or a name as `--model` takes it; `val`
     more validation sets by name (`--val`), each a Dataset or a name as `--dataset` takes
-    it."""
+    it; `on_done` is called with the summary once the run is trained and exported and its
+    process group is gone, before the job waits for its curves.png and lets go of the
+    directory (the CLI's done line)."""
     if isinstance(collate, str):
         fields, collate = {**fields, "collate": collate}, None
     named = {k: v for k, v in (val or {}).items() if isinstance(v, str)}
@@ -106,7 +109,10 @@ def fit(
         return finished
     _refuse_unfit_init(run, model)
     with claim_run_dir(run) as claim:
-        return _run_in_group(dataclasses.replace(run, config=claim.config), model, hooks, claim)
+        summary = _run_in_group(dataclasses.replace(run, config=claim.config), model, hooks, claim)
+        if on_done is not None:
+            on_done(summary)
+        return summary
 
 
 def resolve_run(
@@ -166,7 +172,7 @@ def resolve_run(
             f"--channels_last needs image data (N, C, H, W), and --dataset {config.dataset!r} "
             f"gives samples of shape {data.input_shape}: drop the flag"
         )
-    if model is None and (config.tp > 1 or config.pp > 1):
+    if model is None and (config.tp > 1 or config.pp > 1 or config.ep > 1):
         from ddptrain.models.factory import model_shape
         from ddptrain.parallel.resolve import check_model_layout
 
@@ -474,38 +480,30 @@ def evaluate(
 
     Code the run's config names (`--model mymod:build`, a `--dataset` function, ...) is
     imported only if `argv`, `fields` or an argument here names that field again, or with
-    `trust_checkpoint_code`: evaluating a downloaded checkpoint runs no code of its own."""
-    from ddptrain.train.inference import check_split, describe_split, evaluate_set, pick_split
+    `trust_checkpoint_code`: evaluating a downloaded checkpoint runs no code of its own.
+    Each `--val NAME=DATASET` set that applies is reported as NAME/METRIC (`train.after`)."""
+    from ddptrain.train import after
+    from ddptrain.train.inference import check_split, describe_split
 
     if split is not None:
         check_split(split)
     if output is not None:
-        from ddptrain.files import check_output
-        from ddptrain.train.predict import check_writable
+        after.check_figures_output(Path(output), overwrite)
 
-        check_output(Path(output), "--output", overwrite)
-        check_writable(Path(output), "--output")  # a read-only filesystem: before the work
-
-    def work(run: Resolved, ctx: Any, module: Any, split: str) -> dict[str, float]:
-        dataset = pick_split(run.data, split)
-        figures = evaluate_set(module, dataset, run.config, run.task, run.precision, ctx,
-                               run.data.collate)
+    def work(run: Resolved, ctx: Any, module: Any, sets: Any, split: str) -> dict[str, float]:
+        figures = after.evaluate_sets(module, sets, run.config, run.task, run.precision, ctx,
+                                      run.data.collate)
         log.info("evaluate: %d samples (%s)", figures.get("samples", 0),
                  describe_split(run.data, split, _data_name(run.config)))
         return figures
 
     figures, source_path, config, rank, split = _after_training(
         source, argv, fields, model, datasets, task, collate, work, "ddptrain evaluate",
-        trust_checkpoint_code, split,
+        trust_checkpoint_code, split, pick=after.pick_sets,
+        own=after.command_flags(source, split, output, overwrite),
     )
     if output is not None and rank == 0:
-        import json
-
-        from ddptrain.train.predict import write_output
-
-        record = {"source": str(source_path), "dataset": config.dataset, "split": split,
-                  **figures}
-        write_output(Path(output), json.dumps(record, indent=2) + "\n", overwrite)
+        after.write_figures(Path(output), figures, source_path, config, split, overwrite)
     return figures
 
 
@@ -521,7 +519,8 @@ def predict(
     `trust_checkpoint_code` and `overwrite` are as in `evaluate` (so a `--dataset` other
     than the run's is predicted whole). Logs how many rows it wrote of how many the data
     holds; returns the number of rows."""
-    from ddptrain.train.inference import check_split, describe_split, pick_split, refuse_streams
+    from ddptrain.train import after
+    from ddptrain.train.inference import check_split, describe_split
     from ddptrain.train.predict import check_output, predict_set
 
     out = Path(output)
@@ -529,9 +528,7 @@ def predict(
     if split is not None:
         check_split(split)
 
-    def work(run: Resolved, ctx: Any, module: Any, split: str) -> int:
-        dataset = pick_split(run.data, split)
-        refuse_streams(dataset, "predict")
+    def work(run: Resolved, ctx: Any, module: Any, dataset: Any, split: str) -> int:
         rows = predict_set(module, dataset, run.config, run.precision, ctx, out,
                            run.data.collate, overwrite)
         log.info("predict: wrote %d rows (%s) to %s", rows,
@@ -541,42 +538,41 @@ def predict(
     rows, _, _, _, _ = _after_training(
         source, argv, fields, model, datasets, None, collate, work, "ddptrain predict",
         trust_checkpoint_code, split, needs=("model", "dataset", "collate"),  # no task
+        pick=after.pick_rows, own=after.command_flags(source, split, out, overwrite),
     )
     return int(rows)
 
 
 def _data_name(config: TrainingConfig) -> str:
-    """The data as the user named it: `--dataset`, or the objects given to the API."""
-    return "the datasets given" if "dataset" in config.given_in_python else config.dataset
+    """The data as the user named it: `--dataset`, `--mix`, or the objects given to the API."""
+    if "dataset" in config.given_in_python:
+        return "the datasets given"
+    mixed = ", ".join(str(entry).rpartition("=")[0] for entry in config.mix)  # DATASET=WEIGHT
+    return f"the --mix of {mixed}" if config.mix else config.dataset
 
 
 def _after_training(
     source: str | Path, argv: Sequence[str], fields: dict[str, Any], model: Any,
-    datasets: Any, task: Any, collate: Any, work: Callable[[Resolved, Any, Any, str], Any],
-    prog: str, trust_code: bool, split: str | None = None,
-    needs: Sequence[str] = tuple(OBJECT_FIELDS),
+    datasets: Any, task: Any, collate: Any, work: Callable[[Resolved, Any, Any, Any, str], Any],
+    prog: str, trust_code: bool, split: str | None, needs: Sequence[str] = tuple(OBJECT_FIELDS),
+    *, pick: Callable[[Any, str], Any], own: Sequence[str],
 ) -> tuple[Any, Path, TrainingConfig, int, str]:
-    """Rebuild a trained model from its run's config on every rank, load its weights,
-    call `work(run, ctx, module, split)` in a process group and tear the group down.
-    `split` None: `all` for a dataset other than the run's, else `val`."""
+    """Check the command and the run's stored config (`prepare`; `own`: `command_flags`),
+    load the data and pick its set (`pick`), then rebuild the trained model on every rank,
+    load its weights and call `work(run, ctx, module, picked, split)` in a process group."""
     from ddptrain.launch.process_group import setup_distributed, teardown_distributed
-    from ddptrain.train.inference import (
-        build_model,
-        default_split,
-        find_source,
-        load_weights,
-        source_config,
-    )
+    from ddptrain.train.after import prepare
+    from ddptrain.train.inference import build_model, load_weights
 
     if isinstance(collate, str):
         fields, collate = {**fields, "collate": collate}, None
-    found = find_source(Path(source))
     # (a task named by a string names the field as --task does)
     objects = {"model": model, "dataset": datasets, "task": task, "collate": collate}
     given = [name for name, obj in objects.items() if obj is not None]
-    config = source_config(found, argv, fields, prog, given, trust_code, needs)
-    split = split or default_split(found.config, config)
+    found, config, split = prepare(Path(source), argv, fields, prog, given, trust_code, needs,
+                                   split, None if given or fields else own)
     run = resolve_run(config, datasets, task, model, collate)
+    picked = pick(run.data, split)
     ctx = setup_distributed(run.config, run.cluster, run.device, run.backend)
     run.startup.mark("group")
     clean = False
@@ -587,7 +583,7 @@ def _after_training(
         module = build_model(run.config, run.data, run.task, ctx.device,
                              model if _is_module(model) else factory)
         load_weights(module, found.weights, ctx, run.config)
-        result = work(run, ctx, module, split)
+        result = work(run, ctx, module, picked, split)
         clean = True
     finally:
         teardown_distributed(clean)

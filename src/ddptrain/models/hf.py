@@ -31,6 +31,7 @@ from torch import nn
 from ddptrain.errors import ConfigError, few
 from ddptrain.files import sums_damage
 from ddptrain.log import quietly
+from ddptrain.models.hf_moe import adopt_experts
 
 log = logging.getLogger("ddptrain")
 
@@ -104,9 +105,9 @@ def _build_hf(
         )
         _check_vocabulary(name, config, task, outputs)
         if device.type == "meta":
-            return cls.from_config(  # type: ignore[no-any-return,unused-ignore]
-                config, trust_remote_code=trust
-            )
+            skeleton = cls.from_config(config, trust_remote_code=trust)
+            adopt_experts(skeleton)  # `--ep` spreads its batched experts (`models.hf_moe`)
+            return skeleton  # type: ignore[no-any-return,unused-ignore]
         with _quiet(transformers):  # its multi-line load report: one line of ours instead
             model, info = cls.from_pretrained(
                 directory, config=config, local_files_only=True, trust_remote_code=trust,
@@ -131,6 +132,7 @@ def _build_hf(
         raise ConfigError(
             f"--model {name}: {class_name} cannot be built from {str(directory)!r}: {reason}"
         ) from None
+    adopt_experts(model)
     return model  # type: ignore[no-any-return,unused-ignore]
 
 

@@ -31,6 +31,7 @@ loop adds the loss, weighted by `--moe_aux_weight`, and logs the counts
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,17 +84,11 @@ class MoE(nn.Module):
         probs = F.softmax(self.router(flat).float(), dim=-1)  # (tokens, experts)
         weight, chosen = probs.topk(self.top_k, dim=-1)  # (tokens, k)
         weight = (weight / weight.sum(-1, keepdim=True)).to(x.dtype)
-        slots = chosen.reshape(-1)  # token i's k slots at i*k .. i*k+k-1
-        # (bincount would read its largest value on the host)
-        counts = slots.new_zeros(self.experts).scatter_add_(0, slots, torch.ones_like(slots))
-        order = slots.argsort(stable=True)  # the slots grouped by expert, in token order
-        token = order // self.top_k
-        rows = flat[token]
-        out = (self._experts(rows, counts, slots[order]) if self.ep_group is None
-               else self._exchanged(rows, counts)) * weight.reshape(-1)[order, None]
+        out, token, counts = routed(flat, chosen, weight, self.experts, self._experts,
+                                    self.ep_group)
         mixed = torch.zeros_like(x)  # its own tensor, not a view (FSDP wraps the layer)
         mixed.view(-1, x.size(-1)).index_add_(0, token, out)
-        share = counts.float() / slots.numel()
+        share = counts.float() / chosen.numel()
         self.last = (self.experts * (share * probs.mean(0)).sum(), counts)
         return self.dropout(mixed)
 
@@ -127,27 +122,53 @@ class MoE(nn.Module):
             out = _SumOutputs.apply(out, self.tp_group)
         return out + _per_row(_local(self.b_out), ids)
 
-    def _exchanged(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """`rows` (sorted by expert, `counts` for each) computed by the ranks holding their
-        experts, back in the order they left."""
-        group = self.ep_group
-        ranks = dist.get_world_size(group)
-        local = self.experts // ranks
-        got = torch.empty_like(counts)  # [source rank][my expert]: rows it sends it
-        dist.all_to_all_single(got, counts, group=group)
-        sizes = torch.cat([counts.view(ranks, local).sum(1), got]).tolist()  # one host read
-        send, got_n = sizes[:ranks], sizes[ranks:]
-        recv = [sum(got_n[q * local : (q + 1) * local]) for q in range(ranks)]
-        inbound = all_to_all_single(rows, recv, send, group)  # differentiable
-        blocks = inbound.split(got_n)  # by source rank, then by expert: regrouped by expert
-        by_expert = [q * local + j for j in range(local) for q in range(ranks)]
-        mine = torch.tensor([sum(got_n[j::local]) for j in range(local)], device=rows.device)
-        out = self._experts(torch.cat([blocks[i] for i in by_expert]), mine,
-                            torch.arange(local, device=rows.device).repeat_interleave(
-                                mine, output_size=inbound.size(0)))
-        parts = dict(zip(by_expert, out.split([got_n[i] for i in by_expert]), strict=True))
-        back = torch.cat([parts[i] for i in range(ranks * local)])
-        return all_to_all_single(back, send, recv, group)
+
+# An expert computation: `rows` sorted by expert, `counts[e]` rows of (local) expert e,
+# `ids` each row's expert (device tensors) -> each row's output, in the same order.
+Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def routed(flat: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, experts: int,
+           compute: Experts, group: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dropless dispatch of a mixture: the rows of `flat` (tokens, width), each to its
+    k experts `chosen` (tokens, k), computed by `compute` (by the ranks of `group` holding
+    their experts under `--ep`: `exchange`) and weighted by `weight` (tokens, k). Returns
+    the weighted output rows, the token each belongs to (to sum them with `index_add_`)
+    and the token slots each of the `experts` got."""
+    top_k = chosen.size(-1)
+    slots = chosen.reshape(-1)  # token i's k slots at i*k .. i*k+k-1
+    # (bincount would read its largest value on the host)
+    counts = slots.new_zeros(experts).scatter_add_(0, slots, torch.ones_like(slots))
+    order = slots.argsort(stable=True)  # the slots grouped by expert, in token order
+    token = order // top_k
+    rows = flat[token]
+    out = (compute(rows, counts, slots[order]) if group is None
+           else exchange(rows, counts, compute, group)) * weight.reshape(-1)[order, None]
+    return out, token, counts
+
+
+def exchange(rows: torch.Tensor, counts: torch.Tensor, compute: Experts,
+             group: Any) -> torch.Tensor:
+    """`rows` (sorted by expert, `counts` for each of all the experts) computed by the
+    ranks of `group` holding their experts (`compute`, over this rank's consecutive
+    share), back in the order they left."""
+    ranks = dist.get_world_size(group)
+    local = counts.numel() // ranks
+    got = torch.empty_like(counts)  # [source rank][my expert]: rows it sends it
+    dist.all_to_all_single(got, counts, group=group)
+    sizes = torch.cat([counts.view(ranks, local).sum(1), got]).tolist()  # one host read
+    send, got_n = sizes[:ranks], sizes[ranks:]
+    recv = [sum(got_n[q * local : (q + 1) * local]) for q in range(ranks)]
+    inbound = all_to_all_single(rows, recv, send, group)  # differentiable
+    blocks = inbound.split(got_n)  # by source rank, then by expert: regrouped by expert
+    by_expert = [q * local + j for j in range(local) for q in range(ranks)]
+    mine = torch.tensor([sum(got_n[j::local]) for j in range(local)], device=rows.device)
+    out = compute(torch.cat([blocks[i] for i in by_expert]), mine,
+                  torch.arange(local, device=rows.device).repeat_interleave(
+                      mine, output_size=inbound.size(0)))
+    parts = dict(zip(by_expert, out.split([got_n[i] for i in by_expert]), strict=True))
+    back = torch.cat([parts[i] for i in range(ranks * local)])
+    return all_to_all_single(back, send, recv, group)
 
 
 def expert_parameters(module: nn.Module) -> list[torch.Tensor]:

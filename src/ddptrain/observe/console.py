@@ -71,9 +71,10 @@ class Curves(Hook):
     """Leaves `curves.png` in the run directory at the end (rank 0), when matplotlib is
     installed.
 
-    A child process draws it (`ddptrain.plot.draw_in_background`) while this one
-    exports, tears down the process group and lets the other ranks go; the job waits for
-    it before it releases its run directory, so the file is there when the job ends. With
+    A child process draws it (`ddptrain.plot.draw_in_background`) while this one tears
+    down the process group, lets the other ranks go and prints its done line; the job
+    waits for it before it releases its run directory, so the file is there when the job
+    ends. With
     `sync` (a tracker uploads the file at its `on_fit_end`) it is waited for at once."""
 
     def __init__(self, sync: bool = False) -> None:
@@ -93,5 +94,6 @@ class Curves(Hook):
             return
         run_dir = trainer.config.run_dir
         draw_in_background(run_dir, run_dir / "curves.png")
+        log.info("curves %s (drawing)", run_dir / "curves.png")
         if self.sync:
             wait_for_drawings()

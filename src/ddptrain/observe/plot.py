@@ -3,7 +3,8 @@
     ddptrain plot runs/a runs/b -o curves.png     # several runs overlaid, one colour each
 
 Each run directory's `metrics.jsonl` is read; train rows are drawn as solid lines, the
-per-epoch validation rows as dashed lines with markers, against the optimizer step. Every
+per-epoch validation rows as dashed lines with markers (each `--val` set in a line style of
+its own, labelled "val NAME"), against the optimizer step. Every
 `ddptrain train` also leaves its own `curves.png` in its run directory, drawn by a child
 process while the job tears down (`draw_in_background`) and waited for before the job
 releases the directory (`wait_for_drawings`): when the job ends its directory is whole.
@@ -66,6 +67,18 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def val_sets(rows: list[dict[str, Any]]) -> list[str]:
+    """The names of a run's more validation sets (`--val NAME=DATASET`): their figures
+    are NAME/METRIC in the validation rows, in the order first seen."""
+    names = (k.split("/", 1)[0] for r in rows if r.get("split") == "val" for k in r
+             if "/" in k and k.endswith("/loss"))
+    return list(dict.fromkeys(names))
+
+
+# the line styles of the more validation sets (the run's own is dashed)
+SET_STYLES = (":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))
+
+
 def _series(rows: list[dict[str, Any]], split: str, field: str) -> tuple[list[int], list[float]]:
     picked = [r for r in rows if r.get("split") == split and isinstance(r.get(field), (int, float))]
     return [int(r["step"]) for r in picked], [float(r[field]) for r in picked]
@@ -109,12 +122,14 @@ def draw_runs(run_dirs: list[Path]) -> Any:
             if steps:
                 ax.plot(steps, values, color=colour, linewidth=1.4, label=f"{label} train")
             if with_val:
-                steps, values = _series(rows, "val", field)
-                if steps:
-                    ax.plot(
-                        steps, values, color=colour, linestyle="--", marker="o", markersize=3,
-                        label=f"{label} val",
-                    )
+                sets = [("val", field, "--")] + [
+                    (f"val {s}", f"{s}/{field}", SET_STYLES[j % len(SET_STYLES)])
+                    for j, s in enumerate(val_sets(rows))]
+                for what, key, style in sets:
+                    steps, values = _series(rows, "val", key)
+                    if steps:
+                        ax.plot(steps, values, color=colour, linestyle=style, marker="o",
+                                markersize=3, label=f"{label} {what}")
             ax.set_title(" / ".join(named) if panel == METRIC else title)
     for ax in axes.flat:
         ax.set_xlabel("optimizer step")
@@ -159,8 +174,8 @@ def wait_for_drawings(timeout_s: float = 120.0) -> None:
         if proc.returncode:
             lines = err.decode(errors="replace").strip().splitlines() or ["no output"]
             log.warning("curves: %s was not drawn (%s)", out, lines[-1][:200])
-        else:
-            log.info("curves %s", out)
+        else:  # named when it was started (`Curves`): the done line may be out already
+            log.debug("curves %s drawn", out)
 
 
 def _draw(argv: list[str]) -> int:

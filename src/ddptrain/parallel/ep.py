@@ -5,6 +5,8 @@ ranks (`ddptrain.models.moe`).
         --model_args experts=8 top_k=2 --ep 2                    # 4 experts a rank
     torchrun --nproc_per_node=4 -m ddptrain train --dataset chars --model gpt \\
         --model_args experts=8 top_k=2 --ep 2 --strategy fsdp    # and sharded over 2 more
+    torchrun --nproc_per_node=2 -m ddptrain train --dataset mymod:tokens \\
+        --model hf:models/tiny-mixtral --ep 2                    # a Mixtral, a Qwen3-MoE
 
 The pass runs on the bare module before the strategy wraps it, and borrows the
 data-parallel ranks, as torchtitan does: they are laid out as `dp_mod_ep x ep` (an
@@ -15,6 +17,8 @@ sends each token's rows to the rank of its expert and back with an all-to-all. S
 expert's gradient arrives on its rank whole, summed over the group's tokens; what is left
 is a sum over `dp_mod_ep` and the data-parallel mean, which the strategies do (`ddp`: an
 all-reduce once a window; `fsdp`: the experts' own unit, sharded over `dp_mod_ep`).
+A Hugging Face mixture's experts module (transformers' batched weights) is marked as
+the model is built and spread the same way (`models.hf_moe`); its router stays whole.
 Checkpoints are DCP step directories (each rank writes its experts; a step resumes into
 any other `--ep` or world size), and exports make each expert tensor whole under its own
 name.
@@ -38,7 +42,8 @@ DIMS = ("dp_mod_ep", "ep")
 
 def expert_layers(module: nn.Module) -> list[tuple[str, Any]]:
     """The layers of `module` that spread their experts, by name: those naming their
-    batched weights (`models.moe.MoE.expert_weights`)."""
+    batched weights, experts first (`models.moe.MoE.expert_weights`; a Hugging Face
+    mixture's experts module, marked as it is built: `models.hf_moe`)."""
     return [(n, m) for n, m in module.named_modules() if hasattr(m, "expert_weights")]
 
 
@@ -50,10 +55,19 @@ def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> Devi
         raise ConfigError(f"--ep {ep} does not divide the {ctx.data_world} data-parallel "
                           f"ranks: an expert group is {ep} of them; choose --ep among the "
                           f"divisors of {ctx.data_world}")
+    # what `models.hf_moe` found but does not compute: named, not spread wrongly
+    odd = sorted({str(m.no_expert_parallel) for m in module.modules()
+                  if hasattr(m, "no_expert_parallel")})
+    if odd:
+        raise ConfigError(f"--ep {ep}: the experts of this model ({', '.join(odd)}) are laid "
+                          "out in a way expert parallelism does not compute yet; train it "
+                          "with --strategy fsdp, or use --model gpt --model_args experts=E "
+                          "top_k=K")
     named = expert_layers(module)
     if not named:
         raise ConfigError(f"--ep {ep} needs a mixture of experts: --model gpt --model_args "
-                          "experts=E top_k=K")
+                          "experts=E top_k=K, or a Hugging Face one whose experts are "
+                          "batched weights (hf:DIR of a Mixtral, a Qwen3-MoE)")
     # under --tp each tp rank of a group holds the same experts and sees the same tokens
     tp = tp_mesh(ctx)
     shape: tuple[int, ...] = (ctx.data_world // ep, ep)
@@ -66,9 +80,10 @@ def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> Devi
     # as they must be
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_two_step_gathers)
     for name, layer in named:
-        if layer.experts % ep:
-            raise ConfigError(f"--ep {ep} does not divide the {layer.experts} experts of "
-                              f"{name}: choose --ep among the divisors of {layer.experts}")
+        experts = getattr(layer, layer.expert_weights[0]).shape[0]
+        if experts % ep:
+            raise ConfigError(f"--ep {ep} does not divide the {experts} experts of "
+                              f"{name}: choose --ep among the divisors of {experts}")
         for leaf in layer.expert_weights:
             whole = getattr(layer, leaf)
             # every rank built the same seeded weights: each keeps its own rows

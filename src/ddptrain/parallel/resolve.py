@@ -8,6 +8,7 @@ builds the strategy the same choice names.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from ddptrain.parallel.memory import device_memory, implied_bytes, largest_model
 from ddptrain.parallel.mesh import MeshLayout, plan_mesh
 from ddptrain.parallel.pp import Pipeline, check_stages
 from ddptrain.parallel.tp import TensorParallel, check_gpt_split
-from ddptrain.parallel.tp_hf import check_hf_dir
+from ddptrain.parallel.tp_hf import check_hf_dir, read_hf_config
 from ddptrain.parallel.zero import Zero
 
 STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "zero": Zero, "fsdp": FSDP}
@@ -45,6 +46,7 @@ class StrategyChoice:
     device_bytes: int | None = None  # the memory of one rank's device (None: unknown)
     auto_format: bool = False  # --checkpoint_format auto: the kind may follow the size
     layout: MeshLayout | None = None  # --tp, --dp_replicate: the device mesh's degrees
+    ep: int = 1  # --ep: the experts spread over groups of this many data-parallel ranks
 
     def rank_bytes(self, parameters: int, slots: int, trained: int | None = None,
                    freed: int = 0) -> dict[str, int]:
@@ -64,13 +66,14 @@ class StrategyChoice:
     def label(self) -> str:
         """The name, with the mesh of an n-D layout: `fsdp; dp_replicate 2 x dp_shard 2`;
         under ddp (which a split model takes only without data parallelism) the mesh alone:
-        `tp 2`, not `ddp; tp 2`."""
+        `tp 2`, not `ddp; tp 2`; with `--ep`, where the experts live: `fsdp; ep 2 over dp`."""
+        experts = f"; ep {self.ep} over dp" if self.ep > 1 else ""
         if self.layout is None:
-            return self.name
+            return self.name + experts
         dims = " x ".join(d for d in self.layout.describe().split(" x ") if not d.endswith(" 1"))
         if self.name == "ddp" and self.layout.data_parallel == 1:
-            return dims
-        return f"{self.name}; {dims}"
+            return dims + experts
+        return f"{self.name}; {dims}{experts}"
 
     def checkpoint_kind_for(self, parameters: int, slots: int) -> str:
         """The checkpoint kind for a model of `parameters`: `--checkpoint_format auto`
@@ -100,6 +103,14 @@ def resolve_strategy(
     """The strategy of a run of `world_size` ranks on `device` (`local_ranks` of them on
     this host: all unless told), or a ConfigError naming a flag that would be silently
     ignored."""
+    choice = _choose(config, world_size, device, local_ranks)
+    return dataclasses.replace(choice, ep=config.ep) if config.ep > 1 else choice
+
+
+def _choose(
+    config: TrainingConfig, world_size: int, device: torch.device | str,
+    local_ranks: int | None,
+) -> StrategyChoice:
     device_type = torch.device(device).type
     if config.strategy != "fsdp":
         if config.fsdp_wrap and config.activation_checkpointing == "off":
@@ -173,3 +184,36 @@ def check_model_layout(config: TrainingConfig, shape: Any, tokens: int | None) -
             check_hf_dir(shape.name, shape.hf_directory, config.tp)
     if config.pp > 1 and config.pp_split is None:
         check_stages(config, shape.name, shape.blocks, shape.hf_directory)
+    if config.ep > 1:
+        check_experts(config, shape)
+
+
+# where a Hugging Face config.json counts a mixture's experts (Mixtral; Qwen-MoE;
+# DeepSeek)
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def check_experts(config: TrainingConfig, shape: Any) -> None:
+    """Before the process group, once: --ep needs a model with experts, as many as ep
+    divides (the built-in GPT's --model_args experts=E, a Hugging Face config.json's
+    count); what only the built model shows is checked as experts are spread."""
+    ep, experts = config.ep, None
+    if shape.name == "gpt":
+        experts = int(config.model_args.get("experts", 0))
+        what = "--model gpt"
+    elif shape.hf_directory is not None:
+        hf = read_hf_config(shape.hf_directory)
+        if hf is None:
+            return  # the build reports an unreadable directory
+        experts = next((n for f in EXPERT_COUNTS if isinstance(n := getattr(hf, f, None), int)
+                        and n > 0), 0)
+        what = f"--model {shape.name} ({getattr(hf, 'model_type', 'unknown type')})"
+    else:
+        return  # a user's module: its layers say (`parallel.ep`)
+    if not experts:
+        raise ConfigError(f"--ep {ep} needs a mixture of experts and {what} has none: use "
+                          "--model gpt --model_args experts=E top_k=K, or a Hugging Face "
+                          "mixture whose experts are batched weights (Mixtral, Qwen3-MoE)")
+    if experts % ep:
+        raise ConfigError(f"--ep {ep} does not divide the {experts} experts of {what}: "
+                          f"choose --ep among the divisors of {experts}")

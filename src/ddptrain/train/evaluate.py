@@ -26,6 +26,12 @@ from ddptrain.train.precision import Precision
 from ddptrain.train.tasks import Scorer
 
 
+def named_figures(name: str, figures: dict[str, float]) -> dict[str, float]:
+    """One validation set's figures as the val rows carry them: the run's own set ("")
+    as they are, a `--val NAME=DATASET` set's as NAME/METRIC."""
+    return {f"{name}/{k}" if name else k: v for k, v in figures.items()}
+
+
 class Evaluator:
     """Validation of the plain module over this rank's validation loader (collective).
 

@@ -66,7 +66,7 @@ from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.parallel.mesh import attach_mesh
 from ddptrain.parallel.parts import prepare_module
 from ddptrain.train.ema import EMA
-from ddptrain.train.evaluate import Evaluator
+from ddptrain.train.evaluate import Evaluator, named_figures
 from ddptrain.train.metrics import (
     EpochMeter,
     MetricSums,
@@ -366,7 +366,7 @@ class Trainer:
             "startup_s": self.startup.seconds,
             **({"stragglers": self.stragglers.named} if self.stragglers.named else {}),
             **({"mix": {"per_epoch": mix}} if (mix := mix_counts(self.data.train)) else {}),
-            "strategy": self.strategy.name,
+            "strategy": self.strategy.name, "layout": self.choice.label,
             **({"stopped_early": True, "stop_reason": self.steer.agreed,
                 "stopped_at_epoch": self.progress.epoch} if self.steer.agreed else {}),
             "rank0_bytes": self.strategy.rank_bytes(self.module, self.optimizer),
@@ -584,8 +584,7 @@ class Trainer:
         run's own set's as they are, each `--val` set's as NAME/METRIC."""
         figures: dict[str, float] = {}
         for name, evaluator in self.evaluators.items():
-            got = evaluator.run(self.last_inputs)
-            figures.update({f"{name}/{k}" if name else k: v for k, v in got.items()})
+            figures.update(named_figures(name, evaluator.run(self.last_inputs)))
         return figures
 
     def save(self, meter: dict[str, Any] | None = None, best: bool = False) -> None:
