@@ -164,17 +164,19 @@ def test_tensor_and_pipeline_parallel_runs_checkpoint_as_dcp_and_may_save_in_bac
 
 
 def test_each_section_checks_its_own_fields_and_no_others() -> None:
-    """`validate` runs one check a section (`_check_<section>`, one for every entry of
-    SECTIONS), and a check refuses only fields of its section: a refusal lives with the
-    fields it is about."""
+    """`validate` runs one check a section (`config_checks.SECTION_CHECKS`, one for every
+    entry of SECTIONS), and a check refuses only fields of its section: a refusal lives
+    with the fields it is about."""
     import ast
     import inspect
     import textwrap
 
     from ddptrain.config import SECTIONS
+    from ddptrain.config_checks import SECTION_CHECKS
 
+    assert list(SECTION_CHECKS) == list(SECTIONS)
     for section, (_, fields) in SECTIONS.items():
-        check = getattr(TrainingConfig, f"_check_{section}")
+        check = SECTION_CHECKS[section]
         tree = ast.parse(textwrap.dedent(inspect.getsource(check)))
         refused = set()
         for node in ast.walk(tree):

@@ -201,17 +201,21 @@ def test_fsdp_ends_with_ddps_weights_for_the_gpts_mixtrals_and_qwen3s_experts(
                                        msg=f"{name} {key}")
 
 
-@pytest.mark.parametrize(("fields", "world", "label"), [
-    ({"ep": 2}, 2, "ddp; ep 2 over dp"),
-    ({"ep": 2, "strategy": "fsdp"}, 4, "fsdp; ep 2 over dp"),
-    ({"ep": 2, "strategy": "fsdp", "tp": 2}, 4, "fsdp; dp_shard 2 x tp 2; ep 2 over dp"),
-    ({}, 2, "ddp"),
+@pytest.mark.parametrize(("fields", "world", "label", "params"), [
+    # 1,000 parameters, 600 of them experts; fp32 bytes of parameters on rank 0
+    ({"ep": 2}, 2, "ddp; ep 2 over dp", 4 * (400 + 300)),  # half the experts
+    ({"ep": 2, "strategy": "fsdp"}, 4, "fsdp; ep 2 over dp", 4 * 1000 // 4),  # a 4th of all
+    # the tp ranks of an expert group hold the same experts: 1,600 over 4 ranks
+    ({"ep": 2, "strategy": "fsdp", "tp": 2}, 4, "fsdp; dp_shard 2 x tp 2; ep 2 over dp",
+     4 * 1600 // 4),
+    ({}, 2, "ddp", 4 * 1000),
 ])
-def test_the_plan_names_where_the_experts_live(
-    fields: dict[str, Any], world: int, label: str
+def test_the_plan_names_where_the_experts_live_and_counts_their_share(
+    fields: dict[str, Any], world: int, label: str, params: int
 ) -> None:
     """The layout the plan (and the dry run) prints and summary.json's "layout" say
-    --ep (the slow ep test reads it in summary.json)."""
+    --ep, and the bytes per rank count each rank's share of the experts (the slow ep test
+    reads the layout in summary.json, the 2-rank dry run the bytes)."""
     from ddptrain.parallel import resolve_strategy
     from ddptrain.train.plan import format_plan, make_plan
 
@@ -220,8 +224,38 @@ def test_the_plan_names_where_the_experts_live(
     assert choice.label == label
     data = type("Data", (), {"train": range(64), "facts": type("F", (), {
         "num_classes": None})()})()
-    plan = make_plan(config, data, world, "cpu", "gloo", "float32", "lm", 1000, choice)
+    plan = make_plan(config, data, world, "cpu", "gloo", "float32", "lm", 1000, choice,
+                     experts=(600, 0))
     assert f"world size      {world} ({label})" in format_plan(plan, config)
+    assert plan.rank_bytes is not None and plan.rank_bytes["params"] == params
+
+
+@pytest.mark.slow
+def test_a_dry_run_on_two_ranks_plans_half_the_experts_a_rank(tmp_path: Path) -> None:
+    """`--dry_run --ep 2` under torchrun: the plan names the layout and holds half the
+    experts' bytes on rank 0, against ddp's whole."""
+    from conftest import run_torchrun
+
+    flags = ["train", "--dataset", "chars", "--model", "gpt", "--model_args", "experts=4",
+             "top_k=2", "--width", "32", "--block_size", "16", "--dry_run",
+             "--checkpoint_format", "dcp"]
+    said = {}
+    for name, extra in (("ep", ["--ep", "2"]), ("ddp", [])):
+        done = run_torchrun(2, [*flags, *extra, "--output_dir", str(tmp_path / name)],
+                            tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+        said[name] = done.stdout
+    assert "world size      2 (ddp; ep 2 over dp)" in said["ep"]
+    experts = [line for line in said["ep"].splitlines() if line.startswith("experts ")]
+    assert experts and "of them on rank 0" in experts[0]
+
+    def params(text: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith("memory "))
+        value, unit = line.split("params ")[1].split(",")[0].split()
+        return float(value) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+    # the GPT's experts are most of its weights: ep's rank holds well under ddp's
+    assert params(said["ep"]) < 0.75 * params(said["ddp"])
 
 
 @pytest.mark.slow

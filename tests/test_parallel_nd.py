@@ -16,8 +16,9 @@ from nd_workers import GLOBAL_BATCH, GPT, fit_runs
 
 from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError
+from ddptrain.layout import Layout
 from ddptrain.parallel import resolve_strategy
-from ddptrain.parallel.mesh import MeshLayout, plan_mesh
+from ddptrain.parallel.mesh import plan_mesh
 
 
 def _config(**fields: Any) -> TrainingConfig:
@@ -27,14 +28,14 @@ def _config(**fields: Any) -> TrainingConfig:
 # ---------------------------------------------------------------- the layout, pure logic
 def test_mesh_layout_keeps_tp_innermost_and_derives_the_shards() -> None:
     layout = plan_mesh(_config(strategy="fsdp", dp_replicate=2, tp=2), 16, 8)
-    assert layout == MeshLayout(pp=1, dp_replicate=2, dp_shard=4, tp=2)
-    assert layout.shape == (1, 2, 4, 2)  # tp last: neighbouring ranks, one node
+    assert layout == Layout(pp=1, dp_replicate=2, dp_shard=4, tp=2)
+    assert layout.mesh_shape == (1, 2, 4, 2)  # tp last: neighbouring ranks, one node
     assert (layout.world_size, layout.data_parallel) == (16, 8)
     choice = resolve_strategy(_config(strategy="fsdp", tp=2), 4, "cpu")
     assert choice.label == "fsdp; dp_shard 2 x tp 2" and choice.checkpoint_kind == "dcp"
     # A tp run's bytes per rank: its layers split over tp ranks, sharded over dp_shard.
     assert choice.rank_bytes(1000, 1)["params"] == 4 * 250
-    assert resolve_strategy(_config(), 4, "cpu").layout is None  # plain ddp: no mesh
+    assert resolve_strategy(_config(), 4, "cpu").layout.plain  # plain ddp: no mesh
 
 
 @pytest.mark.parametrize(("fields", "world", "message"), [

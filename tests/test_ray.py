@@ -97,7 +97,8 @@ def test_a_worker_config_error_is_reported_as_one_line_with_exit_2() -> None:
     assert _failure(failed, max_failures=2) is cause
 
 
-def test_a_worker_that_died_is_reported_as_a_lost_peer_with_exit_3() -> None:
+@pytest.mark.parametrize("survivor", ["torch's error", "ddptrain's PeerLost"])
+def test_a_worker_that_died_is_reported_as_a_lost_peer_with_exit_3(survivor: str) -> None:
     ray_train = pytest.importorskip("ray.train")
     from ray.exceptions import ActorDiedError
     from ray.train.v2._internal.exceptions import (
@@ -105,10 +106,15 @@ def test_a_worker_that_died_is_reported_as_a_lost_peer_with_exit_3() -> None:
         WorkerHealthCheckFailedError,
     )
 
-    # as Ray gives up after rank 1 was SIGKILLed: rank 0 lost its gloo peer, rank 1's
-    # actor stopped answering its health check
+    from ddptrain.errors import PeerLost
+
+    # as Ray gives up after rank 1 was SIGKILLed: rank 0 lost its gloo peer (as torch
+    # says it, or as `ddptrain.fit` raises it: the dead worker is still the one named),
+    # rank 1's actor stopped answering its health check
+    lost = (RuntimeError("gloo: Connection reset by peer") if survivor == "torch's error"
+            else PeerLost("lost contact with the other ranks (gloo: Connection reset)"))
     failed = ray_train.WorkerGroupError("workers failed", {
-        0: UserExceptionWithTraceback(RuntimeError("gloo: Connection reset by peer"), "tb"),
+        0: UserExceptionWithTraceback(lost, "tb"),
         1: WorkerHealthCheckFailedError("A worker health check failed.", ActorDiedError()),
     })
     error = _failure(failed, max_failures=0)

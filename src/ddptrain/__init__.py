@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 __all__ = ["ConfigError", "Hook", "Task", "TrainingConfig", "evaluate", "fit", "predict"]
 
 _EXPORTS = {
-    "fit": "ddptrain.api", "evaluate": "ddptrain.api", "predict": "ddptrain.api",
+    "fit": "ddptrain.api", "evaluate": "ddptrain.api_after", "predict": "ddptrain.api_after",
     "TrainingConfig": "ddptrain.config", "ConfigError": "ddptrain.errors",
     "Task": "ddptrain.train.tasks", "Hook": "ddptrain.observe.hooks",
 }

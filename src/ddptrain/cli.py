@@ -21,7 +21,6 @@ import errno
 import gc
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,9 @@ from ddptrain.errors import (
     EXIT_PEER_LOST,
     EXIT_USAGE,
     ConfigError,
+    PeerLost,
     TrainingStopped,
+    UnusedParameters,
 )
 
 
@@ -195,7 +196,7 @@ def _after_args(argv: list[str], prog: str, what: str, output_help: str) -> tupl
 
 
 def _cmd_evaluate(argv: list[str]) -> int:
-    from ddptrain.api import evaluate
+    from ddptrain.api_after import evaluate
 
     args, rest = _after_args(
         argv, "ddptrain evaluate", "The task's metrics of a trained model over a whole set.",
@@ -222,7 +223,7 @@ def _evaluated(figures: dict[str, float]) -> str:
 
 
 def _cmd_predict(argv: list[str]) -> int:
-    from ddptrain.api import predict
+    from ddptrain.api_after import predict
 
     args, rest = _after_args(
         argv, "ddptrain predict",
@@ -284,13 +285,6 @@ COMMANDS = {
 }
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    text = lines[0] if lines else type(exc).__name__
-    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)  # drop the C++ source location
-    return text.split(". This is typically")[0][:200]
-
-
 # A rank that lost its peers has said so; it waits this long before it exits, so that a
 # launcher sees the rank that failed end first: torchrun names the first worker it sees
 # end as the root cause and stops the others, and the failing rank may still be ending
@@ -327,17 +321,6 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_STEP_NUM_TASKS", "1")))
 
 
-def _who_stopped(exc: BaseException) -> str | None:
-    """This rank's record of the collective that broke, and, from its peers' records,
-    which rank(s) did not reach it (`observe.hang`); None without a run directory."""
-    from ddptrain.observe.hang import POSITION, culprit_line, write_record
-
-    rank, world = _rank_number(0), _world_size()
-    if write_record(exc, rank, world) is None:
-        return None
-    return culprit_line(Path(POSITION["run_dir"]), world, rank)
-
-
 def _end_workers() -> None:
     if "torch" in sys.modules:  # only a run that started one can have a worker
         from ddptrain.data.loader import end_worker_processes
@@ -363,53 +346,43 @@ def _main(argv: list[str]) -> int:
             raise ConfigError(
                 f"unknown command {argv[0]!r}: choose one of {', '.join(COMMANDS)}"
             )
-        return command(argv[1:])
+        from ddptrain.launch.failures import own_errors
+
+        with own_errors(tell=_tell_peer_lost):  # torch's errors outside `fit` too, as fit's
+            return command(argv[1:])
+    except UnusedParameters as exc:  # as DDP's reducer error always was: no record, no note
+        _report(f"error: {exc}")
+        return EXIT_USAGE
     except ConfigError as exc:
         _report(f"error: {exc}")
         _own_end(str(exc))
         _note_exit(EXIT_USAGE)
         return EXIT_USAGE
+    except PeerLost as exc:
+        from ddptrain.launch.signals import signals_deferred
+
+        global _peer_lost_at
+        _peer_lost_at = exc.found_at
+        if not exc.told:  # (told as it was found, while signals waited: launch.failures)
+            with signals_deferred():  # torchrun stops the other workers as the first one ends
+                _tell_peer_lost(exc)
+        return EXIT_PEER_LOST
     except TrainingStopped as exc:
-        _report(f"stopped: {exc}")
+        _report(f"{exc.said_as}: {exc}")
         if getattr(exc, "alone", False):  # this rank's own failure (an export it wrote)
             _own_end(str(exc))
         _note_exit(exc.exit_code)
         return exc.exit_code
-    except Exception as exc:
-        if "torch" not in sys.modules:  # the translations below are of torch's errors
-            raise
-        from ddptrain.data.loader import worker_failure
-        from ddptrain.launch.process_group import lost_peer
-        from ddptrain.parallel.ddp import reducer_advice
-
-        unused = reducer_advice(exc)
-        if unused is not None:
-            _report(f"error: {unused}")
-            return EXIT_USAGE
-        worker = worker_failure(exc)
-        if worker is not None:
-            _report(f"error: {worker[0]}")
-            _own_end(worker[0])
-            _note_exit(worker[1])
-            return worker[1]
-        if not lost_peer(exc):
-            raise
-        from ddptrain.launch.signals import signals_deferred
-
-        global _peer_lost_at
-        _peer_lost_at = time.monotonic()
-        with signals_deferred():  # torchrun stops the other workers as the first one ends
-            culprit = _who_stopped(exc)
-            why = culprit or "a peer died, hung longer than --timeout_s, or the network failed"
-            _report(f"error: lost contact with the other ranks ({_first_line(exc)}): {why}; "
-                    "restart the job with --resume_from auto")
-            _note_exit(EXIT_PEER_LOST)
-        return EXIT_PEER_LOST
     except KeyboardInterrupt as exc:
         code = getattr(exc, "exit_code", EXIT_INTERRUPTED)  # a signal outside training
         _report(f"stopped: {exc}" if str(exc) else "interrupted")
         _note_exit(code)
         return code
+
+
+def _tell_peer_lost(exc: PeerLost) -> None:
+    _report(f"error: {exc}")
+    _note_exit(EXIT_PEER_LOST)
 
 
 def _note_exit(code: int) -> None:

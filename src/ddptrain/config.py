@@ -12,34 +12,29 @@ group starts.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ddptrain.config_sections import SECTIONS
-from ddptrain.config_values import (
-    OBJECT_FIELDS,
-    check_dataset,
-    is_import_ref,
-    mix_weights,
-    step_ranges,
-    val_sets,
+from ddptrain.config_checks import (  # noqa: F401 (the names the flags take, re-exported)
+    BUILTIN_DATASETS,
+    BUILTIN_MODELS,
+    BUILTIN_OPTIMIZERS,
+    BUILTIN_SCHEDULERS,
+    BUILTIN_TASKS,
+    DEFAULT_DATASET,
+    SECTION_CHECKS,
+    SEED_MAX,
+    WIDTH_MAX,
 )
+from ddptrain.config_sections import SECTIONS
+from ddptrain.config_values import OBJECT_FIELDS
 from ddptrain.config_values import bad as _bad
 from ddptrain.errors import ConfigError
-
-BUILTIN_DATASETS = ("breast_cancer", "digits", "diabetes", "synthetic", "chars")
-BUILTIN_MODELS = ("auto", "mlp", "miniresnet", "gpt")
-BUILTIN_TASKS = ("auto", "classification", "regression", "multilabel", "lm")
-BUILTIN_OPTIMIZERS = ("sgd", "adamw")
-BUILTIN_SCHEDULERS = ("cosine",)
+from ddptrain.layout import Layout
 
 __all__ = ["SECTIONS", "ConfigError", "TrainingConfig"]
-SEED_MAX = 2**32 - 1  # numpy takes no seed < 0; + rank, epoch or a 32-bit hash stays < 2**64
-WIDTH_MAX = 2**20  # --width: beyond it no built-in model's layer fits a host (see _check_model)
-_DEFAULT_DATASET = "breast_cancer"
 
 
 def _f(default: Any, help: str) -> Any:
@@ -56,7 +51,7 @@ class TrainingConfig:
 
     # Data and model
     dataset: str = _f(
-        _DEFAULT_DATASET,
+        DEFAULT_DATASET,
         "breast_cancer | digits | diabetes | synthetic | chars | path/to/data.npz (arrays x, "
         "y) | path/to/x.npy (y.npy beside it, memory-mapped) | package.module:fn",
     )
@@ -396,7 +391,7 @@ class TrainingConfig:
         layout (tensor- or pipeline-parallel ranks each write a share: DCP)."""
         if self.checkpoint_format != "auto":
             return self.checkpoint_format
-        whole = self.strategy == "ddp" and self.tp == 1 and self.pp == 1 and self.ep == 1
+        whole = self.strategy == "ddp" and Layout.of(self).plain and self.ep == 1
         return "file" if whole else "dcp"
 
     def to_dict(self) -> dict[str, Any]:
@@ -407,9 +402,10 @@ class TrainingConfig:
         """Refuse values no run can use; each message names the field, the value, the fix.
 
         What any field must be (a finite number) first, then each section's own checks
-        (`_check_<section>`, one per entry of `SECTIONS`, each refusing only its section's
-        fields). What needs more than the config (the data's shape, the model, the world
-        size) is checked beside the code that needs it, still before the process group:
+        (`config_checks.SECTION_CHECKS`, one per entry of `SECTIONS`, each refusing only
+        its section's fields). What needs more than the config (the data's shape, the
+        model, the world size) is checked beside the code that needs it, still before the
+        process group:
         `parallel.mesh.plan_mesh`, `parallel.resolve` (strategy flags, the model's layout),
         `data.sources`."""
         if isinstance(self.activation_checkpointing, bool):  # Python's True: the flag alone
@@ -422,177 +418,8 @@ class TrainingConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 _bad(f.name, value, "use a finite number")
         for section in SECTIONS:
-            getattr(self, f"_check_{section}")()
+            SECTION_CHECKS[section](self)
         return self
-
-    def _at_least(self, minimum: float, fix: str, *names: str) -> None:
-        for name in names:
-            value = getattr(self, name)
-            if value is not None and value < minimum:
-                _bad(name, value, fix)
-
-    def _check_data(self) -> None:
-        self._at_least(1, "use a whole number of at least 1", "batch_size", "block_size")
-        self._at_least(0, "use a value of 0 or more", "num_workers")
-        if self.synthetic_size < 2:
-            _bad("synthetic_size", self.synthetic_size, "use at least 2 samples")
-        if self.val_fraction is not None and not 0 < self.val_fraction < 1:
-            _bad("val_fraction", self.val_fraction, "use a fraction between 0 and 1, e.g. 0.2")
-        if self.mix and self.dataset != _DEFAULT_DATASET:
-            raise ConfigError(f"--mix and --dataset {self.dataset!r} both name the training "
-                              "data: give every dataset in --mix, and no --dataset")
-        for ds in [name for name, _ in mix_weights(self.mix)] or [self.dataset]:
-            check_dataset(BUILTIN_DATASETS, ds, "mix" if self.mix else "dataset")
-        if self.pack and self.block_size < 2:
-            _bad("block_size", self.block_size, "--pack predicts each token of a window from "
-                 "those before it, and a window of 1 has none: use --block_size 2 or more")
-        if self.pack and (self.pp > 1 or self.sequence_parallel):
-            flag = "--pp" if self.pp > 1 else "--sequence_parallel"
-            raise ConfigError(f"--pack keeps documents apart with a mask that {flag} does not "
-                              f"pass on: drop --pack, or train without {flag}")
-        for _, ds in val_sets(self.val):
-            check_dataset(BUILTIN_DATASETS, ds, "val")
-        if self.collate is not None and not is_import_ref(self.collate):
-            _bad("collate", self.collate, "give package.module:fn, a function of a list of samples")
-
-    def _check_model(self) -> None:
-        self._at_least(1, "use a whole number of at least 1", "width")
-        if self.width > WIDTH_MAX:
-            _bad("width", self.width, f"use at most {WIDTH_MAX:,} (a layer: width x width weights)")
-        self._at_least(1, "use a whole number of at least 1, or leave it unset",
-                       "num_classes", "in_channels", "image_size")
-        self._at_least(0, "use a weight of 0 (off) or more", "moe_aux_weight")
-        if self.num_classes is not None and self.num_classes < 2:
-            _bad("num_classes", self.num_classes, "a classifier needs at least 2 classes")
-        if self.model.startswith("hf:"):
-            if not (Path(self.model[3:]) / "config.json").is_file():
-                _bad("model", self.model, "give hf:DIR, a directory Hugging Face's "
-                     "save_pretrained wrote (with its config.json)")
-        elif not (self.model in BUILTIN_MODELS or is_import_ref(self.model)):
-            _bad("model", self.model, f"choose one of {', '.join(BUILTIN_MODELS)}, module:fn "
-                 "or hf:DIR")
-        if not (self.task in BUILTIN_TASKS or is_import_ref(self.task)):
-            _bad("task", self.task, f"choose one of {', '.join(BUILTIN_TASKS)} or module:fn")
-
-    def _check_optimization(self) -> None:
-        self._at_least(1, "use a whole number of at least 1", "epochs", "grad_accum_steps")
-        self._at_least(0, "use a value of 0 or more", "max_bad_steps", "weight_decay",
-                       "momentum", "warmup_epochs")
-        if not self.lr >= 0:  # 0 trains nothing: the start (--init_from) evaluated as it is
-            _bad("lr", self.lr, "use a learning rate of 0 or more, such as 0.01")
-        self._at_least(1, "use a whole number of samples", "global_batch_size")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            _bad("max_grad_norm", self.max_grad_norm, "use a positive norm, or leave it unset")
-        if not (self.optimizer in BUILTIN_OPTIMIZERS or is_import_ref(self.optimizer)):
-            _bad("optimizer", self.optimizer,
-                 f"choose one of {', '.join(BUILTIN_OPTIMIZERS)} or package.module:fn")
-        if not (self.scheduler in BUILTIN_SCHEDULERS or is_import_ref(self.scheduler)):
-            _bad("scheduler", self.scheduler, "use cosine or package.module:fn")
-        for pattern, factor in self.lr_scale.items():
-            number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
-            if not number or not factor > 0:
-                _bad("lr_scale", f"{pattern}={factor}",
-                     "give GLOB=FACTOR with a positive factor (to train nothing: --freeze)")
-
-    def _check_parallel(self) -> None:
-        self._at_least(1, "use a whole number of at least 1 (1: off)", "dp_replicate", "tp", "pp")
-        if self.tp_plan is not None and not is_import_ref(self.tp_plan):
-            _bad("tp_plan", self.tp_plan, "give package.module:fn, fn(model, tp_mesh)")
-        if self.pp_split is not None and not is_import_ref(self.pp_split):
-            _bad("pp_split", self.pp_split, "give package.module:fn, fn(model, stage, stages)")
-        self._at_least(1, "use a whole number of at least 1", "pp_microbatches")
-        self._at_least(1, "use a whole number of at least 1 (1: off)", "ep")
-        others = max(self.pp, self.dp_replicate)
-        if self.ep > 1 and (self.strategy == "zero" or others > 1):
-            raise ConfigError(f"--ep {self.ep} runs under --strategy ddp or fsdp (with --tp "
-                              "or not): drop --ep, or --pp, --dp_replicate and zero")
-
-    def _check_precision(self) -> None:
-        pass  # each field is a choice argparse and the dataclass's types already hold to
-
-    def _check_finetune(self) -> None:
-        if self.init_from is not None and not Path(self.init_from).exists():
-            _bad("init_from", self.init_from, "give an existing .safetensors or .pt file, a "
-                 "run, DCP step or Hugging Face directory")
-        for pattern in self.freeze:
-            if not isinstance(pattern, str) or not pattern:
-                _bad("freeze", pattern, "give glob patterns of parameter names, e.g. 'embed.*'")
-        self._at_least(0, "use a whole number of 0 (off) or more", "lora_rank")
-        if self.lora_alpha is not None and not self.lora_alpha > 0:
-            _bad("lora_alpha", self.lora_alpha, "use a positive value, or leave it unset")
-        if not 0 <= self.lora_dropout < 1:
-            _bad("lora_dropout", self.lora_dropout, "use a probability in [0, 1)")
-        given = [f for f in ("lora_alpha", "lora_targets", "lora_dropout") if getattr(self, f)]
-        given += ["lora_quantize"] if self.lora_quantize != "off" else []
-        if given and not self.lora_rank:
-            _bad(given[0], getattr(self, given[0]), "it shapes the adapters of --lora_rank: "
-                 "give --lora_rank R too")
-        clash = [f for f in ("float8",) if getattr(self, f) not in (1, "off")]
-        if self.lora_rank and clash:
-            raise ConfigError(f"--lora_rank with --{clash[0]} is unsupported: train the "
-                              "adapters with --strategy ddp or fsdp, or --tp")
-        split = "--strategy fsdp" if self.strategy == "fsdp" else "--tp" if self.tp > 1 else (
-            "--pp" if self.pp > 1 else None)
-        if self.lora_quantize != "off" and split is not None:
-            raise ConfigError(f"--lora_quantize {self.lora_quantize} with {split} is "
-                              "unsupported: each rank keeps the whole quantized base; use "
-                              "--strategy ddp or zero (4 bits a weight: 70B in about 36 GB)")
-        if self.lora_quantize != "off" and importlib.util.find_spec("torchao") is None:
-            _bad("lora_quantize", self.lora_quantize, "it needs torchao: pip install torchao")
-
-    def _check_checkpoint(self) -> None:
-        self._at_least(0, "use a value of 0 or more", "save_every", "save_every_steps",
-                       "keep_last")
-        if self.resume_from not in (None, "auto") and not Path(self.resume_from).exists():
-            _bad("resume_from", self.resume_from,
-                 "give an existing checkpoint file or DCP step directory, or 'auto'")
-        if self.ep > 1 and self.checkpoint_format == "file":
-            _bad("checkpoint_format", "file", "--ep spreads the experts over the ranks, each "
-                 "writing its own: use --checkpoint_format dcp (or auto)")
-        if self.async_checkpoint and self.checkpoint_kind == "file":
-            _bad("async_checkpoint", True, "background saves write DCP step directories: add "
-                 "--checkpoint_format dcp (or use --strategy zero / fsdp)")
-        if not self.checkpoint_timeout_s > 0:
-            _bad("checkpoint_timeout_s", self.checkpoint_timeout_s,
-                 "use a positive number of seconds")
-        if self.preempt_exit_code is not None and not 1 <= self.preempt_exit_code <= 255:
-            _bad("preempt_exit_code", self.preempt_exit_code, "use an exit code in 1..255")
-        if self.export_ema and self.ema_decay is None:
-            _bad("export_ema", True, "add --ema_decay D: there is no average to export")
-        self._at_least(1e-6, "use a positive number of MB", "export_shard_mb")
-
-    def _check_observe(self) -> None:
-        self._at_least(1, "use a whole number of at least 1", "log_interval")
-        if self.straggler_factor != 0 and not self.straggler_factor > 1:
-            _bad("straggler_factor", self.straggler_factor, "use a factor above 1, or 0 (off)")
-
-    def _check_steer(self) -> None:
-        sets = [name for name, _ in val_sets(self.val)]
-        where, _, metric = (self.best_metric or "").rpartition("/")
-        if self.best_metric is not None and (not metric or (where and where not in sets)):
-            _bad("best_metric", self.best_metric, "give METRIC, or NAME/METRIC with NAME one "
-                 f"of --val's sets ({', '.join(sets) or 'none given'})")
-        if self.early_stopping < 0:
-            _bad("early_stopping", self.early_stopping, "use a number of epochs, or 0 (off)")
-        if self.early_stopping_min_delta < 0:
-            _bad("early_stopping_min_delta", self.early_stopping_min_delta,
-                 "use a change of 0 or more")
-        if self.spike_factor != 0 and not self.spike_factor > 1:
-            _bad("spike_factor", self.spike_factor, "use a factor above 1, or 0 (off)")
-        self._at_least(1, "use a whole number of at least 1", "spike_rows")
-        self._at_least(0, "use a whole number of 0 or more", "max_rollbacks")
-        if self.on_spike != "warn" and not self.spike_factor:
-            _bad("on_spike", self.on_spike, "give --spike_factor above 1 too (0 is off)")
-        step_ranges(self.skip_steps)
-        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
-            _bad("ema_decay", self.ema_decay, "use a decay between 0 and 1, e.g. 0.999")
-
-    def _check_runtime(self) -> None:
-        if not 0 <= self.seed <= SEED_MAX:
-            _bad("seed", self.seed, f"use a whole number in 0..{SEED_MAX}")
-        if not self.timeout_s > 0:
-            _bad("timeout_s", self.timeout_s, "use a positive number of seconds")
-
 
 def _recompute_mode(on: bool) -> Any:
     """--activation_checkpointing as a yes/no (older run directories, `True` in Python)."""

@@ -14,6 +14,10 @@ code each way gets.
 | 130 | stopped by SIGINT (Ctrl-C) after writing a checkpoint |
 | 143 | the same as 75 inside a Kubernetes pod, whose restart policy retries 128-255 only |
 
+`ddptrain.fit` raises torch's errors that end a run as the types here, with the line the
+command line prints (`launch.failures`): `UnusedParameters` (2), `WorkerLost` (71),
+`PeerLost` (3); out of memory as `observe.oom.OutOfMemory` (2).
+
 A rank that lost contact exits 3 s after its line (`cli.PEER_LOST_LINGER_S`), so that
 torchrun sees the rank that failed end first and names it, with its code, as the cause.
 """
@@ -50,10 +54,16 @@ class ConfigError(ValueError):
     it and says what to do."""
 
 
+class UnusedParameters(ConfigError):
+    """DDP's reducer: the model left parameters out of the loss on a step, or gave one its
+    gradient twice; the message says which flag to pass."""
+
+
 class TrainingStopped(Exception):
     """Training stopped early on purpose; `exit_code` tells the launcher why."""
 
     exit_code = 1
+    said_as = "stopped"  # the command line's word before the message: `ddptrain: stopped: ...`
 
 
 class Preempted(TrainingStopped):
@@ -72,6 +82,27 @@ class Diverged(TrainingStopped):
     """Too many consecutive optimizer steps had non-finite gradients."""
 
     exit_code = EXIT_DIVERGED
+
+
+class WorkerLost(TrainingStopped):
+    """A DataLoader worker died: killed by a signal (the out-of-memory killer, a kill)."""
+
+    exit_code = EXIT_WORKER_LOST
+    said_as = "error"
+    alone = True  # this rank's own failure: its peers' lines say so (`observe.hang`)
+
+
+class PeerLost(TrainingStopped):
+    """A collective or the rendezvous store failed: a peer died, hung past --timeout_s, or
+    the network failed; the message names the rank(s) that did not reach it, if known."""
+
+    exit_code = EXIT_PEER_LOST
+    said_as = "error"
+
+    def __init__(self, message: str, found_at: float = 0.0) -> None:
+        super().__init__(message)
+        self.found_at = found_at  # when this rank found its peers lost (monotonic seconds)
+        self.told = False  # its line already said, as it was found (`launch.failures`)
 
 
 def few(items: list[str], n: int = 4) -> str:

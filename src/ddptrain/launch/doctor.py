@@ -32,6 +32,7 @@ from typing import Any
 from ddptrain.config import ConfigError
 from ddptrain.config_cli import ErrorParser
 from ddptrain.launch.cluster import ClusterEnv, read_cluster_env
+from ddptrain.layout import Layout
 
 EXIT_UNREACHABLE = 1
 _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
@@ -295,7 +296,7 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag} {value} is invalid: use a positive number of ranks")
-    if args.world_size is None and world_size == 1 and args.tp * args.pp * args.dp_replicate > 1:
+    if args.world_size is None and world_size == 1 and Layout.of(args).world_size > 1:
         flags = " ".join(f"--{f} {getattr(args, f)}" for f in ("tp", "pp", "dp_replicate")
                          if getattr(args, f) > 1)
         raise ConfigError(
@@ -319,12 +320,7 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
     if experts > count:
         raise ConfigError(f"--experts {args.experts} is more than --parameters "
                           f"{args.parameters}: give the experts' share of the model")
-    # ddp: each rank holds the rest whole and 1/ep of the experts (`--ep`); fsdp shards
-    # both over every rank (the experts over their group, then over the groups), but
-    # under --tp the tp ranks of a group hold the same experts
-    held = (count + (experts * (args.tp - 1) if args.ep > 1 else 0)
-            if config.strategy == "fsdp" else count - experts + experts // args.ep)
-    figures = choice.rank_bytes(held, optimizer_slots(config))
+    figures = choice.rank_bytes(count, optimizer_slots(config), experts=experts)
     spread = (f" ({experts:,} in experts, spread over {args.ep} ranks)" if experts and
               args.ep > 1 else f" ({experts:,} in experts)" if experts else "")
     return (f"strategy   {choice.label} on {world_size} rank(s), {count:,} parameters{spread}, "

@@ -26,6 +26,7 @@ from ddptrain.config import ConfigError, TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.launch.cluster import ClusterEnv, read_cluster_env
 from ddptrain.launch.signals import exit_at_once_on_signals
+from ddptrain.layout import Layout
 from ddptrain.observe.hang import enable_flight_recorder
 
 log = logging.getLogger("ddptrain")
@@ -64,7 +65,7 @@ def resolve_backend(config: TrainingConfig, device: torch.device) -> str:
             "--backend 'nccl' is invalid: NCCL needs CUDA devices and this process runs on CPU; "
             "use --backend gloo (or auto)"
         )
-    if config.backend == "gloo" and device.type == "cuda" and (config.tp > 1 or config.pp > 1):
+    if config.backend == "gloo" and device.type == "cuda" and Layout.of(config).splits_model:
         # Measured on an H200: gloo's send of a CUDA tensor fails (writev: Bad address) and
         # DTensor's functional all-gather over gloo on CUDA crashes the process.
         raise ConfigError(

@@ -32,7 +32,13 @@ from typing import Any
 
 from ddptrain.config import TrainingConfig
 from ddptrain.config_cli import ErrorParser, parse_config
-from ddptrain.errors import EXIT_PEER_LOST, EXIT_WORKER_LOST, ConfigError, TrainingStopped
+from ddptrain.errors import (
+    EXIT_PEER_LOST,
+    EXIT_WORKER_LOST,
+    ConfigError,
+    PeerLost,
+    TrainingStopped,
+)
 from ddptrain.files import atomic_write_text, open_append
 from ddptrain.launch.rundir import new_run_id, refuse_occupied, resolve_layout
 from ddptrain.observe.hooks import Hook
@@ -228,7 +234,8 @@ def _failure(exc: BaseException, max_failures: int) -> BaseException:
     chains = {rank: _chain(error) for rank, error in sorted(failures.items())}
     for chain in chains.values():
         for error in chain:
-            if isinstance(error, ConfigError | TrainingStopped):
+            # a survivor's lost peer is what a dead worker left: that worker is named below
+            if isinstance(error, ConfigError | TrainingStopped) and not isinstance(error, PeerLost):
                 return error
     tries = "with no retries" if max_failures == 0 else f"after {max_failures} restart(s)"
     for rank, chain in chains.items():
@@ -251,7 +258,8 @@ def _failure(exc: BaseException, max_failures: int) -> BaseException:
                 "newest checkpoint; run the command again with --resume_from auto",
                 EXIT_PEER_LOST,
             )
-    return exc
+    lost = next((e for chain in chains.values() for e in chain if isinstance(e, PeerLost)), None)
+    return lost or exc
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

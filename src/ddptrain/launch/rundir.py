@@ -39,6 +39,7 @@ from ddptrain.config_cli import dump_yaml
 from ddptrain.config_values import names_code
 from ddptrain.errors import ConfigError
 from ddptrain.files import LOCK_NAME, LinkRefused, own_dir
+from ddptrain.layout import Layout
 
 JOB_FILE = ".job"  # the torchrun job (rendezvous id) that last trained in a directory
 # Every name a run may write in its directory (besides its hidden lock, job and temporary
@@ -118,7 +119,7 @@ def resolve_layout(config: TrainingConfig, world_size: int) -> TrainingConfig:
     g = config.global_batch_size
     if g is not None:
         # Ranks that split a model (--tp, --pp) share their batch: data-parallel ranks.
-        ranks = max(1, world_size // (config.tp * config.pp))
+        ranks = Layout.of(config, world_size).data_parallel
         per_step = ranks * config.batch_size
         if g % per_step:
             raise ConfigError(

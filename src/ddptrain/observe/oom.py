@@ -25,6 +25,7 @@ import torch
 
 from ddptrain.errors import ConfigError
 from ddptrain.files import atomic_write_text, own_dir
+from ddptrain.layout import Layout
 from ddptrain.parallel.memory import human_bytes
 
 SNAPSHOT_ENTRIES = 100_000  # allocations the history keeps (torchtitan's default)
@@ -86,7 +87,7 @@ def _knobs(cfg: Any) -> str:
              "global batch)"]
     if cfg.activation_checkpointing == "off":
         knobs.append("add --activation_checkpointing")
-    if cfg.strategy == "ddp" and cfg.tp == 1 and cfg.pp == 1:
+    if cfg.strategy == "ddp" and not Layout.of(cfg).splits_model:
         knobs.append("shard the state with --strategy fsdp")
     else:
         knobs.append("split the layers further (--tp, --pp) or offload with --fsdp_cpu_offload")

@@ -24,53 +24,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
+from ddptrain.layout import MESH_DIMS as DIMS
+from ddptrain.layout import Layout
 
 log = logging.getLogger("ddptrain")
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-
-
-@dataclass(frozen=True)
-class MeshLayout:
-    """The degrees of each mesh dimension; their product is the world size."""
-
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
-
-    @property
-    def data_parallel(self) -> int:
-        """Ranks that train on different data: replicas x shards."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def plain(self) -> bool:
-        """Data parallelism alone (ddp, zero, fsdp over every rank): no mesh needed."""
-        return self.pp == self.dp_replicate == self.tp == 1
-
-    def describe(self) -> str:
-        parts = [f"{name} {size}" for name, size in zip(DIMS, self.shape, strict=True)]
-        return " x ".join(parts)
 
 
 def plan_mesh(
     config: TrainingConfig, world_size: int, local_world_size: int | None = None
-) -> MeshLayout:
+) -> Layout:
     """The layout of `world_size` ranks the config asks for, or a ConfigError naming the
     numbers that do not fit. Called before any process group starts."""
     r, t, p = config.dp_replicate, config.tp, config.pp
@@ -93,7 +61,7 @@ def plan_mesh(
             f"tp {t} x pp {p}: {r} x {t} x {p} = {fixed} does not divide {world_size} ranks; "
             "choose degrees whose product divides the world size"
         )
-    layout = MeshLayout(pp=p, dp_replicate=r, dp_shard=world_size // fixed, tp=t)
+    layout = Layout.of(config, world_size)
     _check_pipeline(config)
     if r > 1 and config.strategy != "fsdp":
         raise ConfigError(
@@ -157,12 +125,12 @@ def pipeline_microbatches(config: TrainingConfig) -> int:
     return config.pp_microbatches or config.pp
 
 
-def build_mesh(layout: MeshLayout, device_type: str) -> DeviceMesh:
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     """The job's DeviceMesh (collective: every rank builds it, after the process group)."""
-    return init_device_mesh(device_type, layout.shape, mesh_dim_names=DIMS)
+    return init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=DIMS)
 
 
-def attach_mesh(ctx: DistributedContext, layout: MeshLayout | None) -> DistributedContext:
+def attach_mesh(ctx: DistributedContext, layout: Layout | None) -> DistributedContext:
     """`ctx` with the mesh of `layout` (the strategy's, planned once by `plan_mesh`) and
     this rank's data-parallel coordinates; `ctx` itself for data parallelism alone (None).
     Collective under an n-D layout."""

@@ -8,7 +8,6 @@ builds the strategy the same choice names.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +16,12 @@ import torch
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
+from ddptrain.layout import Layout
 from ddptrain.parallel.base import Strategy
 from ddptrain.parallel.ddp import DDP
 from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.memory import device_memory, implied_bytes, largest_models
-from ddptrain.parallel.mesh import MeshLayout, plan_mesh
+from ddptrain.parallel.mesh import plan_mesh
 from ddptrain.parallel.pp import Pipeline, check_stages
 from ddptrain.parallel.tp import TensorParallel, check_gpt_split
 from ddptrain.parallel.tp_hf import check_hf_dir, read_hf_config
@@ -45,35 +45,35 @@ class StrategyChoice:
     cls: type[Strategy]
     device_bytes: int | None = None  # the memory of one rank's device (None: unknown)
     auto_format: bool = False  # --checkpoint_format auto: the kind may follow the size
-    layout: MeshLayout | None = None  # --tp, --dp_replicate: the device mesh's degrees
-    ep: int = 1  # --ep: the experts spread over groups of this many data-parallel ranks
+    layout: Layout | None = None  # the degrees of each way of parallelism (None: 1 rank)
 
     def rank_bytes(self, parameters: int, slots: int, trained: int | None = None,
-                   freed: int = 0) -> dict[str, int]:
+                   freed: int = 0, experts: int = 0) -> dict[str, int]:
         """fp32 bytes of parameters, gradients and optimizer state one rank holds, `freed`
         bytes of the parameters fewer (`--lora_quantize`'s 4-bit base) (under
         tp, as if every parameter were split: the whole embeddings and norms are not;
-        under pp, as if the stages held alike)."""
-        layout = self.layout or MeshLayout(dp_shard=self.world_size)
+        under pp, as if the stages held alike); `experts` of the parameters are a
+        mixture's experts, which `--ep` spreads."""
+        layout = self.layout or Layout(dp_shard=self.world_size)
+        if layout.ep > 1 and experts:
+            # ddp: each rank holds the rest whole and 1/ep of the experts; fsdp shards both
+            # over every rank (the experts over their group, then over the groups), but
+            # under --tp the tp ranks of a group hold the same experts
+            held = (parameters + experts * (layout.tp - 1) if self.name == "fsdp"
+                    else parameters - experts + experts // layout.ep)
+            parameters, trained = held, held if trained in (None, parameters) else trained
         # fsdp shards over a replica's ranks (HSDP: not across replicas), tp splits layers,
         # pp gives each rank a stage of them (as if the stages were even).
-        split = layout.tp * layout.pp
+        split = layout.model_split
         sharded_over = layout.dp_shard * split if self.name == "fsdp" else split
-        name = "fsdp" if self.name == "fsdp" or split > 1 else self.name
+        name = "fsdp" if self.name == "fsdp" or layout.splits_model else self.name
         return implied_bytes(name, sharded_over, parameters, slots, trained, freed)
 
     @property
     def label(self) -> str:
-        """The name, with the mesh of an n-D layout: `fsdp; dp_replicate 2 x dp_shard 2`;
-        under ddp (which a split model takes only without data parallelism) the mesh alone:
-        `tp 2`, not `ddp; tp 2`; with `--ep`, where the experts live: `fsdp; ep 2 over dp`."""
-        experts = f"; ep {self.ep} over dp" if self.ep > 1 else ""
-        if self.layout is None:
-            return self.name + experts
-        dims = " x ".join(d for d in self.layout.describe().split(" x ") if not d.endswith(" 1"))
-        if self.name == "ddp" and self.layout.data_parallel == 1:
-            return dims + experts
-        return f"{self.name}; {dims}{experts}"
+        """The strategy's name on its layout (`Layout.name`): `fsdp; dp_replicate 2 x
+        dp_shard 2`, `tp 2`, `ddp; ep 2 over dp`."""
+        return self.name if self.layout is None else self.layout.name(self.name)
 
     def checkpoint_kind_for(self, parameters: int, slots: int) -> str:
         """The checkpoint kind for a model of `parameters`: `--checkpoint_format auto`
@@ -103,14 +103,6 @@ def resolve_strategy(
     """The strategy of a run of `world_size` ranks on `device` (`local_ranks` of them on
     this host: all unless told), or a ConfigError naming a flag that would be silently
     ignored."""
-    choice = _choose(config, world_size, device, local_ranks)
-    return dataclasses.replace(choice, ep=config.ep) if config.ep > 1 else choice
-
-
-def _choose(
-    config: TrainingConfig, world_size: int, device: torch.device | str,
-    local_ranks: int | None,
-) -> StrategyChoice:
     device_type = torch.device(device).type
     if config.strategy != "fsdp":
         if config.fsdp_wrap and config.activation_checkpointing == "off":
@@ -149,7 +141,7 @@ def _choose(
     if layout.plain:
         return StrategyChoice(
             config.strategy, world_size, config.checkpoint_kind, STRATEGIES[config.strategy],
-            memory, auto,
+            memory, auto, layout,
         )
     # An n-D layout shards parameters into DTensors: its checkpoints are DCP directories.
     cls = Pipeline if layout.pp > 1 else TensorParallel if layout.tp > 1 else FSDP

@@ -129,7 +129,7 @@ def make_plan(
         checkpoints=", ".join(cadence) + f" {_kind(strategy, parameters, cfg)} into {cfg.ckpt_dir}",
         rank_bytes=None if parameters is None else strategy.rank_bytes(
             parameters, optimizer_slots(cfg), None if frozen is None else parameters - frozen,
-            freed,
+            freed, experts[0] if experts else 0,
         ),
         device_bytes=strategy.device_bytes, largest=strategy.largest_models(optimizer_slots(cfg)),
         classes=_classes(data, task), frozen=frozen, groups=tuple(groups or ()),

@@ -12,6 +12,7 @@ import torch
 
 from ddptrain.config import TrainingConfig
 from ddptrain.errors import ConfigError
+from ddptrain.layout import Layout
 from ddptrain.parallel import NO_CONTEXT
 
 log = logging.getLogger("ddptrain")
@@ -88,7 +89,7 @@ def check_float8(config: TrainingConfig, device: torch.device) -> str:
                 f"{capability[0]}.{capability[1]}): float8 matmuls need 8.9 or later (H100, "
                 "L4, RTX 4090); drop --float8 and train in bf16"
             )
-    if config.tp > 1 or config.pp > 1:
+    if Layout.of(config).splits_model:
         raise ConfigError(
             "--float8 with --tp/--pp is not supported yet: float8 runs under ddp, zero and "
             "fsdp; drop --float8 or the model split"

@@ -1,6 +1,7 @@
 """The training loop: one optimizer step = one gradient reduction, however it is reached.
 
-Path of one optimizer step (`train_epoch` -> `_forward_backward` -> `stepping.optimizer_step`):
+Path of one optimizer step (`train_epoch` -> `forward.forward_backward` ->
+`stepping.optimizer_step`):
 micro-batches 1..K-1 of an accumulation window run forward and backward inside the
 strategy's `no_backward_sync` (gradients only accumulate locally); micro-batch K runs
 outside it and the gradients are reduced once; then (optional) unscale + clip, the
@@ -29,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ddptrain.checkpoint import Checkpointer, Progress
@@ -38,17 +38,11 @@ from ddptrain.checkpoint.finished import clear_finished, ended_at, writing_expor
 from ddptrain.checkpoint.rng import gather_rng_states, seed_process
 from ddptrain.context import DistributedContext, gather_to_main
 from ddptrain.data import (
-    Micro,
     ModelCall,
     make_train_batches,
     make_val_loader,
-    mark_batch_dynamic,
-    mix_counts,
     most_val_batches,
-    parse_output,
-    split,
     stop_workers,
-    to_device,
 )
 from ddptrain.files import atomic_write_text
 from ddptrain.models import build_model, hf_dir, is_hf_model, is_hf_ref
@@ -67,6 +61,7 @@ from ddptrain.parallel.mesh import attach_mesh
 from ddptrain.parallel.parts import prepare_module
 from ddptrain.train.ema import EMA
 from ddptrain.train.evaluate import Evaluator, named_figures
+from ddptrain.train.forward import forward_backward
 from ddptrain.train.metrics import (
     EpochMeter,
     MetricSums,
@@ -80,10 +75,12 @@ from ddptrain.train.plan import Resolved, RunPlan, format_plan, make_plan
 from ddptrain.train.resume import restore, take_best
 from ddptrain.train.rollback import SkippedSteps, roll_back
 from ddptrain.train.routing import Routing
+from ddptrain.train.saves import check_logs, may_save, save_mid_epoch
 from ddptrain.train.start import fill_start, initial_weights, mark_per_rank
 from ddptrain.train.steer import SpikeRollback, SteeredStop, Steering, steering_hooks
 from ddptrain.train.stepping import Verdicts, optimizer_step, skipped_step
 from ddptrain.train.stop import StopRequest
+from ddptrain.train.summary import run_summary
 from ddptrain.train.tasks import Scorer, head_size, ranking
 
 log = logging.getLogger("ddptrain")
@@ -291,7 +288,7 @@ class Trainer:
                 val = self._validate()
                 self.steer.agreed = self.steer.agreed or (self.history.get("stop") or {}).get(
                     "reason")
-            summary = self._summary(val)
+            summary = run_summary(self, val)
             if cfg.export == "best":
                 summary["exported"] = take_best(self) or "last"
             with writing_exports(ctx.rank, cfg.run_dir):  # a full disk: one line, exit 74
@@ -344,46 +341,10 @@ class Trainer:
         if stop and self.steer.finish:
             history["stop"] = {"reason": self.steer.agreed, "epoch": epoch}
         due = epoch == cfg.epochs or (cfg.save_every and epoch % cfg.save_every == 0)
-        if (due or improved or stop) and self._may_save():
-            self._check_logs()
+        if (due or improved or stop) and may_save(self):
+            check_logs(self)
             self.save(best=improved)
         return val
-
-    def _summary(self, val: dict[str, float]) -> dict[str, Any]:
-        """The run's figures, across every resume of it."""
-        h, task = self.history, self.task
-        return {
-            "run_id": self.config.run_id, "run_dir": str(self.config.run_dir),
-            "epochs": self.config.epochs,
-            "steps": self.progress.step, "world_size": self.ctx.world_size, "task": task.name,
-            **{f"val_{k}": v for k, v in val.items() if k != "samples"},
-            "best_metric": self.best_key, f"best_val_{self.best_key}": h["best"],
-            "best_epoch": h["best_epoch"], "train_time_s": h["train_time_s"],
-            "samples": h["samples"],
-            "samples_per_sec": h["samples"] / h["train_time_s"] if h["train_time_s"] else 0.0,
-            "bad_steps": self.progress.bad_steps, "first_step_s": self.first_step_s,
-            "skipped_steps": h.get("skipped_steps", 0), "rollbacks": len(self.skips.rollbacks),
-            "startup_s": self.startup.seconds,
-            **({"stragglers": self.stragglers.named} if self.stragglers.named else {}),
-            **({"mix": {"per_epoch": mix}} if (mix := mix_counts(self.data.train)) else {}),
-            "strategy": self.strategy.name, "layout": self.choice.label,
-            **({"stopped_early": True, "stop_reason": self.steer.agreed,
-                "stopped_at_epoch": self.progress.epoch} if self.steer.agreed else {}),
-            "rank0_bytes": self.strategy.rank_bytes(self.module, self.optimizer),
-            **self._checkpoint_figures(),
-        }
-
-    def _checkpoint_figures(self) -> dict[str, Any]:
-        if not self.checkpoints.blocking_s:
-            return {}
-        times = sorted(self.checkpoints.blocking_s)
-        return {"checkpoint_blocking_s_median": times[len(times) // 2]}
-
-    def _may_save(self) -> bool:
-        """No checkpoint at a skipped (non-finite) step: the newest stays the last good."""
-        if self.progress.bad_streak:
-            log.warning("step %d was skipped: no checkpoint written", self.progress.step)
-        return not self.progress.bad_streak
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         cfg = self.config
@@ -397,7 +358,7 @@ class Trainer:
             sync.wait += waited
             skipped = self.skips.covers(self.progress.step + 1)  # read, not trained on
             if not skipped:
-                self.last_inputs = self._forward_backward(batch, micro, meter.sums)
+                self.last_inputs = forward_backward(self, batch, micro, meter.sums)
             if not micro.ends_window:
                 continue
             verdict = skipped_step(self) if skipped else optimizer_step(self, meter.sums)
@@ -420,11 +381,11 @@ class Trainer:
                 totals, stop, flags = self._sync(sync, meter)
                 steered = not stop and self.steer.agree(self.ctx, flags)
                 if save_now or stop or steered:
-                    self._save_mid_epoch(meter, totals, stop, steered)
+                    save_mid_epoch(self, meter, totals, stop, steered)
         # A hook's stop agreed here waits for validation: the epoch ends as any other.
         totals, stop, _ = self._sync(sync, meter)
         if stop:
-            self._save_mid_epoch(meter, totals, stop)
+            save_mid_epoch(self, meter, totals, stop)
         return meter.sums.summarize(totals)
 
     def _row_head(self, epoch: int, meter: EpochMeter) -> tuple[dict[str, Any], Any]:
@@ -484,83 +445,9 @@ class Trainer:
             if (experts := expert_parameters(self.module)) else None,
         )
 
-    def _save_mid_epoch(
-        self, meter: EpochMeter, totals: list[float], stop: bool, steered: bool = False
-    ) -> None:
-        """Checkpoint with the epoch's running totals; on an agreed stop, end the run."""
-        self._check_logs()
-        if steered and self.steer.finish:
-            self.history["stop"] = {"reason": self.steer.agreed, "step": self.progress.step}
-        saved = self._may_save()
-        if saved:
-            self.save({"totals": totals, "logged": meter.logged})
-        if stop or steered:
-            self.checkpoints.wait()  # the stop's checkpoint is on disk before the run ends
-        if stop:
-            raise self.stop.error(self.progress.step, saved)
-        if steered:
-            raise SteeredStop(self.steer.agreed)
-
     def _stopping(self) -> bool:
         """A stop to agree on at the next sync: a signal, or a log that rank 0 cannot write."""
         return self.stop.requested or self.writer.failure is not None
-
-    def _check_logs(self) -> None:
-        """Before a checkpoint or an agreed stop (collective): when rank 0 could not write
-        the run's log, every rank stops here with exit 74. No checkpoint follows, so the
-        newest one stays the last the log covers, and a resume continues the log whole."""
-        failed = self.writer.failure is not None
-        if self.ctx.distributed:  # one value, only where a checkpoint is written anyway
-            flag = torch.tensor([float(failed)], device=self.ctx.device)
-            dist.all_reduce(flag)
-            failed = bool(flag.item())
-        if not failed:
-            return
-        raise RunLogError(self.writer.failure or (
-            f"rank 0 could not write the run's log in {str(self.config.run_dir)!r} (its line "
-            f"says why): every rank stopped at step {self.progress.step} without a "
-            "checkpoint; the previous one is intact: resume with --resume_from auto once "
-            "the directory is writable"
-        ))
-
-    def _forward_backward(self, batch: Any, micro: Micro, sums: MetricSums) -> Any:
-        """Forward and backward of one micro-batch, through the strategy (a plain forward
-        or a pipeline's schedule); gradients are reduced only on the last micro-batch of
-        a window. Returns the model inputs (for FLOP counting)."""
-        inputs, targets = split(to_device(batch, self.ctx.device, self.memory_format))
-        scale = 0.0 if micro.pad else self._loss_scale(micro)
-        if self.config.compile:
-            mark_batch_dynamic(inputs)
-
-        def loss(output: Any, rows: torch.Tensor | None) -> torch.Tensor:
-            """The scaled loss of `output`: the whole micro-batch's, or (a pipeline's last
-            stage) that of `rows` of it, padding rows left out."""
-            if rows is None:
-                score = self.scorer.score(output, targets, inputs)
-            else:
-                held: Any = targets  # a pipeline's batches hold targets (`Pipeline._pad`)
-                start, stop = int(rows[0]), min(int(rows[-1]) + 1, len(held))
-                if stop <= start:  # padding alone: no loss, the graph still runs backward
-                    return output.sum() * 0.0
-                score = self.scorer.score(
-                    parse_output(output[: stop - start]), held[start:stop], None
-                )
-            # the routers' balancing loss trains; the figures logged are the task's
-            total = score.loss_sum if self.routing is None else self.routing.add(score)
-            if not micro.pad:
-                sums.update(score)
-            return self.scaler.scale(total if scale == 1.0 else total * scale)
-
-        self.strategy.forward_backward(
-            self.call, self.model, inputs, loss, micro.ends_window, self.precision.autocast
-        )
-        return inputs
-
-    def _loss_scale(self, micro: Micro) -> float:
-        # DDP averages gradients over the (data-parallel) ranks, hence their number.
-        if self.dynamic:
-            return self.ctx.data_world / self.nominal
-        return self.ctx.data_world / micro.window_samples
 
     def _new_meter(self) -> EpochMeter:
         meter = EpochMeter(MetricSums(self.task, self.ctx.device, self.routing),
