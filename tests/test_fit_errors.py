@@ -233,3 +233,21 @@ def test_a_lost_peer_is_told_where_it_is_found_while_signals_wait(
         "lost contact with the other ranks (Connection closed by peer [127.0.0.1]:29500): a "
         "peer died, hung longer than --timeout_s, or the network failed; restart the job "
         "with --resume_from auto")
+
+
+def test_a_lost_peer_never_writes_its_record_into_an_earlier_runs_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An earlier run in this process left its position (`observe.hang.POSITION`); a run
+    that loses its peers before its trainer starts (a second `fit`, an `evaluate`) has
+    none of its own, and writes no hang record into the earlier run's directory."""
+    from ddptrain.launch.failures import own_errors
+    from ddptrain.observe import hang
+
+    old = tmp_path / "old"
+    old.mkdir()
+    monkeypatch.setattr(hang, "POSITION", {"run_dir": str(old), "progress": None})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(errors.PeerLost), own_errors():
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert not (old / "hang").exists()

@@ -339,8 +339,6 @@ def _main(argv: list[str]) -> int:
         print(f"ddptrain {__version__}")
         return 0
     command = COMMANDS.get(argv[0])
-    if (hang := sys.modules.get("ddptrain.observe.hang")) is not None:
-        hang.POSITION.update(run_dir=None, progress=None)  # an earlier command's, in-process
     try:
         if command is None:
             raise ConfigError(

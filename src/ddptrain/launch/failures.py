@@ -42,7 +42,11 @@ def own_errors(tell: Callable[[PeerLost], None] | None = None) -> Iterator[None]
     """A torch error that ends a run raised in the block, raised as ddptrain's exception
     (`own_error`) with torch's as its cause; any other error as it is. `tell` (the command
     line's, around a command) says a lost peer's line, where it is found, while SIGTERM and
-    SIGINT wait: torchrun stops the other ranks as the first one ends."""
+    SIGINT wait: torchrun stops the other ranks as the first one ends. A run's position
+    (`observe.hang.POSITION`) starts empty here: an earlier run's in this process (a
+    second `fit`, an `evaluate` after it) is never where this one's hang record goes."""
+    if (hang := sys.modules.get("ddptrain.observe.hang")) is not None:  # not loaded: unset
+        hang.POSITION.update(run_dir=None, progress=None)
     token = _TELL.set(tell) if tell is not None else None
     try:
         yield
