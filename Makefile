@@ -102,7 +102,7 @@ PIP_FLAGS   := --quiet --disable-pip-version-check
 
 .PHONY: bench bench-setup gpu-check
 
-# On a machine with CUDA (under 10 minutes on one H100/H200): every training path that fits
+# On a machine with CUDA (about 17 minutes on one H200; see bench/gpu_check.py for two calls): every training path that fits
 # one GPU checked against a CPU reference, the CUDA-only tests, and a ~1.1B Llama-style
 # model's tokens/s, MFU and peak memory (bench/gpu_check.py). It runs under this venv's
 # python when there is one, else under the machine's python3 and its torch; without CUDA it

@@ -1,6 +1,10 @@
 """`make gpu-check`: every training path that fits one GPU, checked and measured there.
 
-    python bench/gpu_check.py --out runs/gpu-check      # under 10 minutes on one H100/H200
+    python bench/gpu_check.py --out runs/gpu-check      # about 17 minutes on one H200
+
+Calls of 10 minutes take it in parts: `--skip speed` (about 6 minutes), then the
+throughput rows, a few a call (`--skip checks tests --speed b4 b8 --update
+runs/gpu-check/gpu_check.json`; about a minute each, the compiled ones more).
 
 Without CUDA it says so in one line and exits 0. With CUDA it runs, each as a user starts
 it (`python -m ddptrain train`, or torchrun for 2 ranks), each with its own time limit, so
@@ -359,7 +363,7 @@ def section(results: dict[str, Any]) -> str:
             # them is a reading that missed part of the process (flagged, not trusted)
             peak = f"{r['peak_gib']:.1f}"
             if r["peak_gib"] < 16 * n / 2**30:
-                peak += f" (below the {16 * n / 2**30:.1f} held: not trusted)"
+                peak += f" (below the {16 * n / 2**30:.1f} held: an early reading, not trusted)"
             lines.append(f"| {r['batch']} | {flags} | {r['tokens_per_s']:,.0f} | "
                          f"{r['step_ms']:.0f} | {r['mfu']:.1%} | {peak} |")
     lines += [
@@ -433,10 +437,10 @@ def main() -> int:
     slow = ["torch.compile"]
     if "checks" not in args.skip:
         checks(args.out, results, save, [n for n in args.checks if n not in slow])
-    if "speed" not in args.skip:
-        throughput(args.out, results, save, args.speed)
     if "tests" not in args.skip:
         cuda_tests(results, save)
+    if "speed" not in args.skip:
+        throughput(args.out, results, save, args.speed)
     if "checks" not in args.skip:
         checks(args.out, results, save, [n for n in args.checks if n in slow])
     print(section(results))

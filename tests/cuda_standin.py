@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc_per_node=2 tests/cuda_standin.py train --strategy fsdp ...
 
-The run is real (CPU, gloo); `gpu_fields` sees this rank's device as cuda, and the CUDA
-queries it makes (peak memory, device name) are faked. So the path only a GPU reaches,
+The run is real (CPU, gloo); `gpu_fields` and `peak_fields` see this rank's device as cuda, and the CUDA
+queries they make (peak memory, device name) are faked. So the path only a GPU reaches,
 counting the model's FLOPs for MFU, runs under every strategy. Those fakes are installed
 when this file runs as a script; imported, it only offers `fake_pinning`.
 """
@@ -21,7 +21,7 @@ import torch
 import ddptrain.observe.flops as flops
 
 PEAK_MB = 64
-_real = flops.gpu_fields
+_real, _real_peak = flops.gpu_fields, flops.peak_fields
 
 
 def _standin(model: Any, batch: Any, samples_per_sec: float, ctx: Any, dtype: Any) -> Any:
@@ -29,11 +29,15 @@ def _standin(model: Any, batch: Any, samples_per_sec: float, ctx: Any, dtype: An
     return _real(model, batch, samples_per_sec, cuda, dtype)
 
 
+def _standin_peak(ctx: Any) -> Any:
+    return _real_peak(dataclasses.replace(ctx, device=torch.device("cuda", ctx.local_rank)))
+
+
 def install() -> None:
     torch.cuda.max_memory_allocated = lambda device=None: PEAK_MB * 2**20  # type: ignore[assignment]
     torch.cuda.reset_peak_memory_stats = lambda device=None: None  # type: ignore[assignment]
     torch.cuda.get_device_name = lambda device=None: "NVIDIA H100 80GB HBM3"  # type: ignore[assignment]
-    flops.gpu_fields = _standin  # before the trainer imports it
+    flops.gpu_fields, flops.peak_fields = _standin, _standin_peak  # before the trainer imports them
 
 
 @contextlib.contextmanager

@@ -18,7 +18,9 @@ from torch import nn
 
 from ddptrain.cli import main
 from ddptrain.context import DistributedContext
-from ddptrain.observe.flops import count_flops, gpu_fields, meta_shadow, mfu, peak_flops
+from ddptrain.observe.flops import (
+    count_flops, gpu_fields, meta_shadow, mfu, peak_fields, peak_flops,
+)
 from ddptrain.observe.writer import MetricsWriter
 
 REPO = Path(__file__).resolve().parent.parent
@@ -306,12 +308,45 @@ def test_flops_are_counted_on_a_meta_shadow_taken_before_wrapping(
     cuda = DistributedContext(0, 0, 2, torch.device("cuda", 0), "nccl")
     row = gpu_fields(meta_shadow(nn.Linear(8, 4)), torch.zeros(5, 8), 1e6, cuda, torch.bfloat16)
     per_sample = 4 * 8 * 4  # forward and weight gradient: no input gradient for a first layer
-    assert row["peak_cuda_mb"] == 3
+    assert peak_fields(cuda) == {"peak_cuda_mb": 3}
     assert row["tflops_per_sec"] == pytest.approx(per_sample * 1e6 / 1e12)
     assert row["mfu"] == pytest.approx(per_sample * 1e6 / (2 * 989e12))
     assert meta_shadow(_NoCopy(8, 4)) is None  # no MFU rather than a crash
     # Each row's peak is its own interval's: the first row's 3 MB is not carried on.
-    assert gpu_fields(None, torch.zeros(5, 8), 1e6, cuda, None) == {"peak_cuda_mb": 1}
+    assert peak_fields(cuda) == {"peak_cuda_mb": 1}
+    assert gpu_fields(None, torch.zeros(5, 8), 1e6, cuda, None) == {}
+
+
+def test_each_train_row_reads_the_peak_of_its_own_steps_though_rows_are_written_in_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CPU run whose peak readings a CUDA stand-in answers: each step's forward
+    allocates step-numbered megabytes above the 1 MB held between steps. Rows are all-reduced
+    and written several at a time; each must carry its own interval's peak."""
+    import dataclasses
+
+    import ddptrain.train.trainer as loop
+    from ddptrain.api import fit
+    from ddptrain.config import TrainingConfig
+    from ddptrain.observe.hooks import Hook
+
+    peak = [2**20]
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak[0])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: peak.__setitem__(0, 2**20))
+    monkeypatch.setattr(loop, "peak_fields", lambda ctx: peak_fields(
+        dataclasses.replace(ctx, device=torch.device("cuda", 0))))
+
+    class Steps(Hook):
+        def on_step_end(self, trainer: Any) -> None:
+            peak[0] = max(peak[0], (10 + trainer.progress.step) * 2**20)
+
+    run = tmp_path / "run"
+    fit(TrainingConfig(dataset="digits", model="mlp", width=16, epochs=1, log_interval=2,
+                       save_every=0, tensorboard=False, output_dir=str(run)), hooks=[Steps()])
+    train = [r for r in _rows(run) if r["split"] == "train"]
+    assert len(train) > 3
+    assert [r["peak_cuda_mb"] for r in train] == [10 + r["step"] for r in train]
 
 
 def test_mfu_and_peak_table() -> None:

@@ -97,6 +97,21 @@ def mfu(flops_per_sample: float, samples_per_sec: float, world_size: int, peak: 
     return flops_per_sample * samples_per_sec / (world_size * peak)
 
 
+def peak_fields(ctx: DistributedContext) -> dict[str, float]:
+    """CUDA peak memory since the previous log point, read at this one; empty on CPU.
+
+    Read as each row is taken, not when rows are written: rows are written in batches
+    (one all-reduce for several), and a reading at the write would give the batch's first
+    row the whole interval's peak and the others the memory held between two readings.
+    Both calls ask the caching allocator's counters: no device sync.
+    """
+    if ctx.device.type != "cuda":
+        return {}
+    row = {"peak_cuda_mb": torch.cuda.max_memory_allocated(ctx.device) / 2**20}
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    return row
+
+
 def gpu_fields(
     model: nn.Module | None,
     batch: Any,
@@ -104,17 +119,15 @@ def gpu_fields(
     ctx: DistributedContext,
     amp_dtype: torch.dtype | None,
 ) -> dict[str, float]:
-    """CUDA peak memory since the previous row and MFU for a train row; empty on CPU.
+    """TFLOP/s and MFU for a train row; empty on CPU.
 
     `model` is the model's meta shadow (`meta_shadow`, taken before the strategy wrapped
     it). `samples_per_sec` is the global rate (all ranks). The FLOPs are counted at the
     first call per model and reused after.
     """
+    row: dict[str, float] = {}
     if ctx.device.type != "cuda":
-        return {}
-    # The peak of this interval: each row's reading starts the next one's.
-    row = {"peak_cuda_mb": torch.cuda.max_memory_allocated(ctx.device) / 2**20}
-    torch.cuda.reset_peak_memory_stats(ctx.device)
+        return row
     if model is None or not isinstance(batch, torch.Tensor):
         return row  # dict inputs: FLOPs are counted for a plain tensor batch only
     if model not in _flops_per_sample:

@@ -48,7 +48,7 @@ from ddptrain.files import atomic_write_text
 from ddptrain.models import build_model, hf_dir, is_hf_model, is_hf_ref
 from ddptrain.models.moe import expert_parameters
 from ddptrain.observe import Console, Curves, Hook, Hooks, MetricsWriter
-from ddptrain.observe.flops import gpu_fields, meta_shadow
+from ddptrain.observe.flops import gpu_fields, meta_shadow, peak_fields
 from ddptrain.observe.hang import POSITION, StallWatch
 from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.startup import Phases
@@ -393,6 +393,7 @@ class Trainer:
         head = {
             "split": "train", "epoch": epoch, "step": self.progress.step,
             "lr": self.optimizer.param_groups[0]["lr"], "bad_steps": self.progress.bad_steps,
+            **peak_fields(self.ctx),
         }
         return head, meter.mark(self.progress.step)
 
