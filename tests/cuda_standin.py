@@ -2,10 +2,11 @@
 
     torchrun --standalone --nproc_per_node=2 tests/cuda_standin.py train --strategy fsdp ...
 
-The run is real (CPU, gloo); `gpu_fields` and `peak_fields` see this rank's device as cuda, and the CUDA
-queries they make (peak memory, device name) are faked. So the path only a GPU reaches,
-counting the model's FLOPs for MFU, runs under every strategy. Those fakes are installed
-when this file runs as a script; imported, it only offers `fake_pinning`.
+The run is real (CPU, gloo); `gpu_fields` and `peak_fields` see this rank's device as
+cuda, and the CUDA queries they make (peak memory, device name) are faked. So the path
+only a GPU reaches, counting the model's FLOPs for MFU, runs under every strategy. Those
+fakes are installed when this file runs as a script; imported, it only offers
+`fake_pinning`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,12 @@ from torch import nn
 from ddptrain.cli import main
 from ddptrain.context import DistributedContext
 from ddptrain.observe.flops import (
-    count_flops, gpu_fields, meta_shadow, mfu, peak_fields, peak_flops,
+    count_flops,
+    gpu_fields,
+    meta_shadow,
+    mfu,
+    peak_fields,
+    peak_flops,
 )
 from ddptrain.observe.writer import MetricsWriter
 
