@@ -108,8 +108,8 @@ def child(fields: dict[str, Any], out: Path) -> None:
             self.rss_mb = 0.0
             self.p2p: list[tuple[int, str]] = []  # (time.time_ns(), kind) of each send, receive
 
-        def on_epoch_start(self, trainer: Any, epoch: int) -> None:
-            self.reads.step = trainer.progress.step
+        def on_epoch_start(self, run: Any, epoch: int) -> None:
+            self.reads.step = run.step
             self.reads.__enter__()
             schedules = sys.modules.get("torch.distributed.pipelining.schedules")
             if schedules is not None:  # gloo's sends and receives are not recorded
@@ -122,18 +122,18 @@ def child(fields: dict[str, Any], out: Path) -> None:
 
                 schedules._batch_p2p = counted
 
-        def on_step_end(self, trainer: Any) -> None:
-            step = trainer.progress.step
+        def on_step_end(self, run: Any) -> None:
+            step = run.step
             self.ends.append((step, time.time_ns()))
             self.reads.step = step
             if len(self.ends) == 1:
                 self.rss_mb = rss_mb()
 
-        def on_row(self, trainer: Any, row: dict[str, Any]) -> None:
+        def on_row(self, run: Any, row: dict[str, Any]) -> None:
             if self.reads.active:
                 self.reads.__exit__(None, None, None)
 
-        def on_fit_end(self, trainer: Any, summary: dict[str, Any]) -> None:
+        def on_fit_end(self, run: Any, summary: dict[str, Any]) -> None:
             if self.reads.active:
                 self.reads.__exit__(None, None, None)
             recorder = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
@@ -148,7 +148,7 @@ def child(fields: dict[str, Any], out: Path) -> None:
                 reads[step] = Counter(r.split(" at ")[1] for r in self.reads.reads[before])
             (out / f"rank{rank}.json").write_text(json.dumps({
                 "rss_mb": self.rss_mb, "collectives": per_step, "reads": reads,
-                "steps": trainer.progress.step,
+                "steps": run.step,
                 "recorder_entries": len(recorder.get("entries", [])),
             }))
 

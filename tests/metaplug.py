@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ddptrain.config import TrainingConfig
 from ddptrain.data.sources import load_data
 from ddptrain.launch.process_group import setup_distributed, teardown_distributed
-from ddptrain.parallel import DDP, FSDP, Strategy, Zero
+from ddptrain.parallel import DDP, FSDP, Strategy
 from ddptrain.train.plan import resolve
 from ddptrain.train.trainer import Trainer
 
@@ -108,7 +108,7 @@ def watch_setups(rank: int, jobs: list[tuple[dict[str, Any], str]]) -> list[dict
     counted, not the process's."""
     configs = [TrainingConfig(**overrides).validate() for overrides, _ in jobs]
     ctx = setup_distributed(configs[0])
-    originals = {c: c.__dict__.get("setup_module") for c in (Strategy, DDP, Zero, FSDP)}
+    originals = {c: c.__dict__.get("setup_module") for c in (Strategy, DDP, FSDP)}
     clean = False
     try:
         results = [_watch_one(ctx, config, given, originals)

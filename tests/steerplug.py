@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from ddptrain import Hook
+from ddptrain import Hook, RunView
+from ddptrain.observe.hooks import TrainerHook
 
 
 class StopAt(Hook):
@@ -19,45 +20,53 @@ class StopAt(Hook):
     ) -> None:
         self.step, self.epoch, self.rank, self.finish = step, epoch, rank, finish
 
-    def _mine(self, trainer: Any) -> bool:
-        return self.rank is None or trainer.ctx.rank == self.rank
+    def _mine(self, run: RunView) -> bool:
+        return self.rank is None or run.rank == self.rank
 
-    def on_step_end(self, trainer: Any) -> None:
-        if self._mine(trainer) and trainer.progress.step == self.step:
-            trainer.steer.request_stop(f"asked at step {self.step}", finish=self.finish)
+    def on_step_end(self, run: RunView) -> None:
+        if self._mine(run) and run.step == self.step:
+            run.request_stop(f"asked at step {self.step}", finish=self.finish)
 
-    def on_row(self, trainer: Any, row: dict[str, Any]) -> None:
-        if self._mine(trainer) and row["split"] == "val" and row["epoch"] == self.epoch:
-            trainer.steer.request_stop(f"asked at epoch {self.epoch}", finish=self.finish)
+    def on_row(self, run: RunView, row: dict[str, Any]) -> None:
+        if self._mine(run) and row["split"] == "val" and row["epoch"] == self.epoch:
+            run.request_stop(f"asked at epoch {self.epoch}", finish=self.finish)
 
 
 class Record(Hook):
-    """What this rank saw: each step's number, the rows, and (with `weights`) the
-    module's parameters at the start and after every optimizer step."""
+    """What this rank saw: each step's number, learning rate and place in the run (as
+    `(step, epoch, step_in_epoch, rank, world_size, is_main)`), and the rows."""
 
-    def __init__(self, weights: bool = False) -> None:
-        self.weights = weights
+    def __init__(self) -> None:
         self.steps: list[int] = []
         self.rows: list[dict[str, Any]] = []
-        self.params: list[dict[str, torch.Tensor]] = []
         self.lrs: list[float] = []
+        self.places: list[tuple[int, int, int, int, int, bool]] = []
+
+    def on_step_end(self, run: RunView) -> None:
+        self.steps.append(run.step)
+        self.lrs.append(run.lr)
+        self.places.append((run.step, run.epoch, run.step_in_epoch, run.rank, run.world_size,
+                            run.is_main))
+
+    def on_row(self, run: RunView, row: dict[str, Any]) -> None:
+        self.rows.append(dict(row))
+
+
+class Weights(TrainerHook):
+    """The module's parameters at the start and after every optimizer step (the loop's
+    internals: a `TrainerHook`)."""
+
+    def __init__(self) -> None:
+        self.params: list[dict[str, torch.Tensor]] = []
 
     def _snapshot(self, trainer: Any) -> None:
-        if self.weights:
-            self.params.append(
-                {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
-            )
+        self.params.append({n: p.detach().clone() for n, p in trainer.module.named_parameters()})
 
     def on_fit_start(self, trainer: Any) -> None:
         self._snapshot(trainer)
 
     def on_step_end(self, trainer: Any) -> None:
-        self.steps.append(trainer.progress.step)
-        self.lrs.append(trainer.optimizer.param_groups[0]["lr"])
         self._snapshot(trainer)
-
-    def on_row(self, trainer: Any, row: dict[str, Any]) -> None:
-        self.rows.append(dict(row))
 
 
 class HalveLR(Hook):
@@ -66,7 +75,7 @@ class HalveLR(Hook):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_step_end(self, trainer: Any) -> None:
-        if trainer.progress.step == self.step:
-            assert trainer.steer.lr_multiplier == 1.0
-            trainer.steer.lr_multiplier = 0.5
+    def on_step_end(self, run: RunView) -> None:
+        if run.step == self.step:
+            assert run.lr_multiplier == 1.0
+            run.lr_multiplier = 0.5

@@ -175,3 +175,34 @@ def test_the_layout_is_asked_of_one_value() -> None:
     for planted in ("if config.tp > 1 or config.pp > 1:", "whole = tp == 1 and self.pp == 1",
                     "ranks = world // (config.tp * config.pp)"):
         assert _split_tests({"planted": planted}), planted
+
+
+# What kind a checkpoint path is (a `.pt` file, a DCP step directory, a run directory, an
+# export) is read in one place, `ddptrain.checkpoint.kind.resolve_checkpoint`; asked of the
+# filesystem again elsewhere, the answers drift apart (a link, a torn step directory).
+RESOLVER = "ddptrain.checkpoint.kind"
+CHECKPOINT_READERS = ("ddptrain.checkpoint", "ddptrain.train.after", "ddptrain.train.inference",
+                      "ddptrain.train.predict", "ddptrain.train.resume", "ddptrain.cli")
+# (module, the line as written): why it asks whether something other than a checkpoint
+# is a directory
+NOT_CHECKPOINTS = {
+    ("ddptrain.train.predict", "if path.is_dir():"): "predict's --output: a file to write",
+    ("ddptrain.cli", "if not args.run_dir.is_dir():"): "diagnose's run directory: hang records",
+}
+
+
+def _directory_asks(sources: dict[str, str]) -> list[str]:
+    return [f"{name}:{n}: {line.strip()}" for name, text in sources.items()
+            for n, line in enumerate(text.splitlines(), 1)
+            if ".is_dir()" in line.split("#")[0]
+            and (name, line.strip()) not in NOT_CHECKPOINTS]
+
+
+def test_a_checkpoint_path_is_resolved_in_one_place() -> None:
+    sources = {name: path.read_text() for name, path in _modules().items()
+               if name.startswith(CHECKPOINT_READERS) and name != RESOLVER}
+    assert not _directory_asks(sources), "ask resolve_checkpoint(path), not the filesystem"
+    # seen red: a checkpoint path asked again is found, the allowed lines are not
+    planted = {"ddptrain.checkpoint.planted": "    if path.is_dir():\n",
+               "ddptrain.train.predict": "    if path.is_dir():\n"}
+    assert _directory_asks(planted) == ["ddptrain.checkpoint.planted:1: if path.is_dir():"]

@@ -28,7 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from ddptrain.config import TrainingConfig
 from ddptrain.config_cli import parse_config
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.parts import freeze, prepare_module
+from ddptrain.parallel.parts import checkpoint_activations, freeze
 from ddptrain.train.optim import param_groups
 
 
@@ -74,7 +74,7 @@ def test_freeze_turns_gradients_off_and_a_pattern_matching_nothing_is_an_error()
     with pytest.raises(ConfigError, match="--lr_scale 'x' matches no parameter"):
         param_groups(Tiny(), TrainingConfig(lr_scale={"x": 2.0}))
     with pytest.raises(ConfigError, match="finds no repeated blocks"):
-        prepare_module(nn.Linear(2, 2), [], "block", None)
+        checkpoint_activations(nn.Linear(2, 2), None, "block")
 
 
 def test_selective_recompute_keeps_the_matmuls_and_recomputes_the_cheap_ops() -> None:
@@ -99,7 +99,8 @@ def test_selective_recompute_keeps_the_matmuls_and_recomputes_the_cheap_ops() ->
     for mode in ("off", "block", "selective"):
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32))
-        prepare_module(model, [], mode, None)
+        if mode != "off":
+            checkpoint_activations(model, None, mode)
         with Count() as count:
             model(tokens).float().pow(2).mean().backward()
         runs[mode] = (count.ops, {n: p.grad for n, p in model.named_parameters()})

@@ -33,14 +33,15 @@ from torch.utils.data import IterableDataset, TensorDataset
 from bench.host_reads import HostReads
 from ddptrain import fit
 from ddptrain.config import TrainingConfig
-from ddptrain.observe import Hook
+from ddptrain.observe.hooks import TrainerHook
 
 SYNC_SITE = "reduce_snapshots"
 FINITE_SITES = ("settle",)
 
 
-class Watch(Hook):
-    """Counts host reads from the first step to the end of the last epoch's training."""
+class Watch(TrainerHook):
+    """Counts host reads from the first step to the end of the last epoch's training (it
+    reads the loop's internals: a `TrainerHook`)."""
 
     def __init__(self, reads: HostReads) -> None:
         self.reads = reads

@@ -324,10 +324,16 @@ def _ddp_ep_step(rank: int, state: dict[str, torch.Tensor]) -> dict[str, torch.T
     from ddptrain.parallel.base import local_tensor
     from ddptrain.parallel.ddp import DDP
 
+    from ddptrain.layout import Layout
+    from ddptrain.parallel.mesh import attach_mesh
+    from ddptrain.parallel.parallelize import parallelize
+
     net = _moe_net()
     net.load_state_dict(state)
-    strategy = DDP(_ctx(rank), TrainingConfig(strategy="ddp", ep=2))
-    model = strategy.setup_module(net)
+    config = TrainingConfig(strategy="ddp", ep=2)
+    ctx = attach_mesh(_ctx(rank), Layout.of(config, 2))
+    strategy = DDP(ctx, config)
+    model, _ = parallelize(net, strategy, config, ctx)
     model(_inputs()[rank]).square().mean().backward()  # this rank's mean
     strategy.finish_gradients()
     return {k: local_tensor(p.grad).clone() for k, p in net.named_parameters()}

@@ -177,11 +177,12 @@ def test_ep_without_experts_is_refused_before_the_process_group(
         assert message in str(caught.value), caught.value
     config = TrainingConfig(output_dir="unused", model=f"hf:{mixtral}", ep=2)
     check_experts(config, ModelShape(f"hf:{mixtral}", 4, 2, mixtral))  # 2 of 4 a rank
-    # the command checks it as it resolves the run, before anything is built
+    # the command checks the layout as it resolves the run, before anything is built: one
+    # process has no expert group of 2
     from ddptrain.cli import main
 
     run = tmp_path / "run"
-    assert main(["train", "--model", f"hf:{dense}", "--dataset", "hfplug:counting_windows",
+    assert main(["train", "--model", f"hf:{mixtral}", "--dataset", "hfplug:counting_windows",
                  "--ep", "2", "--checkpoint_format", "dcp", "--output_dir", str(run)]) == 2
-    assert "(llama) has none" in capsys.readouterr().err
+    assert "--ep 2 does not divide the 1 data-parallel ranks of 1" in capsys.readouterr().err
     assert not run.exists()

@@ -343,8 +343,8 @@ def test_each_train_row_reads_the_peak_of_its_own_steps_though_rows_are_written_
         dataclasses.replace(ctx, device=torch.device("cuda", 0))))
 
     class Steps(Hook):
-        def on_step_end(self, trainer: Any) -> None:
-            peak[0] = max(peak[0], (10 + trainer.progress.step) * 2**20)
+        def on_step_end(self, run: Any) -> None:
+            peak[0] = max(peak[0], (10 + run.step) * 2**20)
 
     run = tmp_path / "run"
     fit(TrainingConfig(dataset="digits", model="mlp", width=16, epochs=1, log_interval=2,
@@ -398,7 +398,7 @@ def _count_rounds(rank: int, port: int, out: str) -> None:
     class Steps(Hook):
         count = 0
 
-        def on_step_end(self, trainer: object) -> None:
+        def on_step_end(self, run: object) -> None:
             Steps.count += 1
 
     trainer = Trainer(resolve(config, data, ctx.world_size, ctx.device), ctx, hooks=[Steps()])

@@ -13,13 +13,15 @@ from conftest import run_torchrun
 from dist_utils import run_ranks
 from procs import assert_bitwise, assert_same_log, sigkill_then_resume, weights
 from safetensors.torch import load_file
-from steerplug import HalveLR, Record, StopAt
+from steerplug import HalveLR, Record, StopAt, Weights
 from torch.optim.lr_scheduler import LambdaLR
 
-from ddptrain import fit
-from ddptrain.checkpoint import list_checkpoints, load_checkpoint
+from ddptrain import RunView, fit
+from ddptrain.checkpoint import Progress, list_checkpoints, load_checkpoint
 from ddptrain.checkpoint.dcp import list_step_dirs
 from ddptrain.cli import main
+from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext
 from ddptrain.train.optim import warmup_cosine
 from ddptrain.train.steer import EarlyStopping, Steering
 
@@ -38,13 +40,11 @@ def _rows(run: Path) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- pure logic
-class _Trainer:
-    """What EarlyStopping reads of a trainer."""
-
-    def __init__(self) -> None:
-        self.task = type("T", (), {"best": "accuracy", "mode": "max"})()
-        self.best_key, self.best_mode = "accuracy", "max"  # the task's (no --best_metric)
-        self.steer = Steering(*_optimizer())
+def _view() -> tuple[RunView, Steering]:
+    """The view a hook gets, of a run ranked by accuracy (max), and its controls."""
+    steer = Steering(*_optimizer())
+    ctx = DistributedContext(0, 0, 1, CPU)
+    return RunView(TrainingConfig(), ctx, steer, Progress(), 10, 20, ("accuracy", "max")), steer
 
 
 def _optimizer() -> tuple[torch.optim.Optimizer, LambdaLR]:
@@ -53,13 +53,13 @@ def _optimizer() -> tuple[torch.optim.Optimizer, LambdaLR]:
 
 
 def test_early_stopping_counts_epochs_without_an_improvement_beyond_min_delta() -> None:
-    trainer, hook = _Trainer(), EarlyStopping(patience=2, min_delta=0.01)
+    (run, steer), hook = _view(), EarlyStopping(patience=2, min_delta=0.01)
     for epoch, acc in enumerate([0.5, 0.6, 0.605, 0.7, 0.7, 0.705], start=1):
-        hook.on_row(trainer, {"split": "train", "epoch": epoch})  # train rows do not count
-        hook.on_row(trainer, {"split": "val", "epoch": epoch, "accuracy": acc})
-        assert trainer.steer.requested == (epoch == 6), epoch
-    assert (hook.best, hook.best_epoch) == (0.7, 4) and trainer.steer.finish
-    assert "did not improve for 2 epochs (best 0.7 at epoch 4)" in str(trainer.steer.reason)
+        hook.on_row(run, {"split": "train", "epoch": epoch})  # train rows do not count
+        hook.on_row(run, {"split": "val", "epoch": epoch, "accuracy": acc})
+        assert steer.requested == run.stop_requested == (epoch == 6), epoch
+    assert (hook.best, hook.best_epoch) == (0.7, 4) and steer.finish
+    assert "did not improve for 2 epochs (best 0.7 at epoch 4)" in str(steer.reason)
     again = EarlyStopping(2)
     again.load_state_dict(hook.state_dict())
     assert again.state_dict() == hook.state_dict()
@@ -141,7 +141,7 @@ def test_early_stopping_with_lr_0_ends_after_epoch_3_and_a_resume_has_finished(
 def test_exported_ema_equals_an_ema_computed_by_hand_from_every_steps_weights(
     tmp_path: Path, npz400: Path
 ) -> None:
-    decay, run, record = 0.8, tmp_path / "run", Record(weights=True)
+    decay, run, record = 0.8, tmp_path / "run", Weights()
     fit(hooks=[record], **_settings(npz400, run, ema_decay=decay, export_ema=True, epochs=1))
     assert len(record.params) == 1 + 20  # the start, then 320 / 16 steps
     by_hand = {n: t.double() for n, t in record.params[0].items()}
@@ -165,7 +165,8 @@ def _stop_on_rank_0(rank: int, data: str, run: str, resume: bool) -> dict[str, A
     hooks = [record] if resume else [StopAt(step=7, rank=0), record]
     settings = _settings(Path(data), Path(run), log_interval=7, epochs=1)
     summary = fit(hooks=hooks, resume_from="auto" if resume else None, **settings)
-    return {"summary": summary, "steps": record.steps, "rows": record.rows}
+    return {"summary": summary, "steps": record.steps, "rows": record.rows,
+            "places": record.places}
 
 
 @pytest.mark.slow
@@ -175,8 +176,10 @@ def test_a_stop_asked_on_one_rank_ends_every_rank_at_that_step(
     # 320 train samples on 2 ranks x 16: 10 steps; the first sync is at --log_interval 7
     run = tmp_path / "run"
     ranks = run_ranks(_stop_on_rank_0, 2, tmp_path, str(npz400), str(run), False)
-    for got in ranks:
+    for rank, got in enumerate(ranks):
         assert got["steps"] == list(range(1, 8)) and got["summary"]["steps"] == 7
+        # what each rank's view said: (step, epoch, step in epoch, rank, world, main)
+        assert got["places"] == [(k, 1, k, rank, 2, rank == 0) for k in range(1, 8)]
     assert ranks[0]["summary"]["stop_reason"] == "asked at step 7"
     # every rank's hooks see the same global figures (timings are each rank's own)
     figures = [[{k: r[k] for k in ("step", "loss", "accuracy", "samples")} for r in got["rows"]]
@@ -247,16 +250,16 @@ def test_a_loss_spike_is_a_train_loss_above_k_times_the_running_median_for_m_row
 ) -> None:
     from ddptrain.train.steer import LossSpikes
 
-    trainer = _Trainer()
+    run, steer = _view()
     hook = LossSpikes(factor=5, rows=2, on_spike="stop")
     losses = [1.0, 0.9, 0.8, 0.8, 0.7, 9.0, 0.7, 6.0, 7.0, 0.6]  # steps 1..10
     for step, loss in enumerate(losses, start=1):
-        hook.on_row(trainer, {"split": "val", "step": step, "loss": 100.0})  # not train
-        hook.on_row(trainer, {"split": "train", "step": step, "loss": loss})
+        hook.on_row(run, {"split": "val", "step": step, "loss": 100.0})  # not train
+        hook.on_row(run, {"split": "train", "step": step, "loss": loss})
         # step 6 alone is one row above the bar; steps 8 and 9 are two running
-        assert trainer.steer.requested == (step >= 9), step
+        assert steer.requested == (step >= 9), step
     assert "loss spike: train loss 7 at step(s) 8, 9 is above 5x the running median 0.8" in (
-        trainer.steer.reason or "")
+        steer.reason or "")
     assert hook.losses == [1.0, 0.9, 0.8, 0.8, 0.7, 0.7, 0.6]  # spikes never raise the bar
     again = LossSpikes(5, 2)
     again.load_state_dict(hook.state_dict())
@@ -264,7 +267,7 @@ def test_a_loss_spike_is_a_train_loss_above_k_times_the_running_median_for_m_row
     caplog.clear()
     early = LossSpikes(factor=5, rows=1)  # no median before 5 rows
     for step, loss in enumerate([1.0, 50.0, 1.0], start=1):
-        early.on_row(trainer, {"split": "train", "step": step, "loss": loss})
+        early.on_row(run, {"split": "train", "step": step, "loss": loss})
     assert not early.streak and "loss spike" not in caplog.text
 
 

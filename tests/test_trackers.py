@@ -182,8 +182,8 @@ def test_sigterm_stop_ends_killed_and_resume_finishes_it(tmp_path: Path) -> None
     class SigtermAtStep(Hook):
         """What a scheduler does to a preempted job, in the middle of epoch 2."""
 
-        def on_step_end(self, trainer: Any) -> None:
-            if trainer.progress.step == 40:
+        def on_step_end(self, run: Any) -> None:
+            if run.step == 40:
                 os.kill(os.getpid(), signal.SIGTERM)
 
     run_dir = tmp_path / "run"
@@ -222,7 +222,7 @@ def test_two_ranks_make_one_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 @needs_mlflow
 def test_crash_ends_failed(tmp_path: Path) -> None:
     class Boom(Hook):
-        def on_row(self, trainer: Any, row: dict[str, Any]) -> None:
+        def on_row(self, run: Any, row: dict[str, Any]) -> None:
             if row["step"] == 10:
                 raise RuntimeError("boom")
 
@@ -240,20 +240,20 @@ def test_crash_ends_failed(tmp_path: Path) -> None:
 
 @needs_mlflow
 def test_rows_are_buffered_until_a_val_row_or_the_interval(tmp_path: Path) -> None:
-    trainer = _Stand(tmp_path / "run")
+    run = _Stand(tmp_path / "run")
     hook = MLflowTracker(flush_every_s=3600)
-    hook.on_fit_start(trainer)
-    client = store_of(trainer.config.run_dir)
+    hook.on_fit_start(run)
+    client = store_of(run.config.run_dir)
     assert hook.run_id is not None
-    hook.on_row(trainer, {"split": "train", "epoch": 1, "step": 5, "loss": 0.5})
-    hook.on_row(trainer, {"split": "train", "epoch": 1, "step": 10, "loss": 0.4})
+    hook.on_row(run, {"split": "train", "epoch": 1, "step": 5, "loss": 0.5})
+    hook.on_row(run, {"split": "train", "epoch": 1, "step": 10, "loss": 0.4})
     assert client.get_metric_history(hook.run_id, "train/loss") == []
-    hook.on_row(trainer, {"split": "val", "epoch": 1, "step": 10, "loss": 0.3})
+    hook.on_row(run, {"split": "val", "epoch": 1, "step": 10, "loss": 0.3})
     assert history(client, hook.run_id, "train/loss") == [(5, 0.5), (10, 0.4)]
     assert history(client, hook.run_id, "val/loss") == [(10, 0.3)]
 
     hook.flush_every_s = 0.0  # the interval has passed at every row
-    hook.on_row(trainer, {"split": "train", "epoch": 2, "step": 15, "loss": 0.2})
+    hook.on_row(run, {"split": "train", "epoch": 2, "step": 15, "loss": 0.2})
     assert history(client, hook.run_id, "train/loss")[-1] == (15, 0.2)
     hook.close()
     assert client.get_run(hook.run_id).info.status == "FAILED"  # closed without on_fit_end
@@ -261,10 +261,10 @@ def test_rows_are_buffered_until_a_val_row_or_the_interval(tmp_path: Path) -> No
 
 @needs_mlflow
 def test_a_run_missing_from_the_store_starts_a_new_one(tmp_path: Path) -> None:
-    trainer = _Stand(tmp_path / "run")
+    run = _Stand(tmp_path / "run")
     hook = MLflowTracker()
     hook.load_state_dict({"run_id": "0" * 32, "tracking_uri": "file:///elsewhere"})
-    hook.on_fit_start(trainer)
+    hook.on_fit_start(run)
     assert hook.run_id not in (None, "0" * 32)
     assert hook.state_dict()["run_id"] == hook.run_id
     hook.close()
@@ -317,11 +317,12 @@ def test_row_metrics_keep_numbers_only() -> None:
 
 
 class _Stand:
-    """The part of a Trainer that the tracker reads, for driving the hook by hand."""
+    """The part of a hook's `RunView` that the tracker reads, for driving it by hand."""
+
+    is_main = True
 
     def __init__(self, run_dir: Path) -> None:
         self.config = TrainingConfig(tracker="mlflow", output_dir=str(run_dir))
-        self.ctx = _ctx(0)
 
 
 def _ctx(rank: int) -> DistributedContext:

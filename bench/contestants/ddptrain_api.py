@@ -61,7 +61,7 @@ class ClockHook(Hook):
     def __init__(self, clock: StepClock) -> None:
         self.clock = clock
 
-    def on_step_end(self, trainer: object) -> None:
+    def on_step_end(self, run: object) -> None:
         self.clock.step()
 
 

@@ -12,8 +12,8 @@ and returns the summary (the same global figures on every rank). `model` is an
 the meta device and sharded before any rank allocates it; an instance is sharded as it
 is); `datasets` a `(train, val)` pair, one
 dataset to split by `val_fraction`, or a factory; `task` a `Task` or a built-in name;
-`hooks` observe the run (`ddptrain.Hook`). Left out, each comes from the config, as on
-the command line.
+`hooks` observe and steer the run (`ddptrain.Hook`, each call given a `ddptrain.RunView`).
+Left out, each comes from the config, as on the command line.
 """
 
 from __future__ import annotations

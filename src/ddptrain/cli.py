@@ -114,10 +114,11 @@ def _cmd_export(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     checkpoint = args.checkpoint
     from ddptrain.checkpoint.finished import write_errno
+    from ddptrain.checkpoint.kind import resolve_checkpoint
     from ddptrain.train.predict import check_writable
 
     check_writable(args.output, "output")  # a read-only filesystem: one line before any work
-    if checkpoint.is_dir() and (checkpoint / "config.yaml").is_file():
+    if resolve_checkpoint(checkpoint).holds_config:
         from ddptrain.train.inference import newest_checkpoint
 
         checkpoint = newest_checkpoint(checkpoint)  # a run directory

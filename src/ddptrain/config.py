@@ -15,8 +15,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from ddptrain.checkpoint_kind import CheckpointKind
+from ddptrain.checkpoint_kind import checkpoint_kind as decide_kind
 from ddptrain.config_checks import (  # noqa: F401 (the names the flags take, re-exported)
     BUILTIN_DATASETS,
     BUILTIN_MODELS,
@@ -27,350 +29,36 @@ from ddptrain.config_checks import (  # noqa: F401 (the names the flags take, re
     SECTION_CHECKS,
     SEED_MAX,
     WIDTH_MAX,
+    check_across,
 )
-from ddptrain.config_sections import SECTIONS
+from ddptrain.config_sections import (
+    SECTIONS,
+    CheckpointSection,
+    DataSection,
+    FinetuneSection,
+    ModelSection,
+    ObserveSection,
+    OptimizationSection,
+    ParallelSection,
+    PrecisionSection,
+    RuntimeSection,
+    SteerSection,
+)
 from ddptrain.config_values import OBJECT_FIELDS
 from ddptrain.config_values import bad as _bad
 from ddptrain.errors import ConfigError
-from ddptrain.layout import Layout
 
 __all__ = ["SECTIONS", "ConfigError", "TrainingConfig"]
 
 
-def _f(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
-def _kv(help: str) -> Any:
-    return field(default_factory=dict, metadata={"help": help})
-
-
 @dataclass
-class TrainingConfig:
-    """Every parameter the pipeline reads. Nothing else is hard-coded."""
+class TrainingConfig(  # the last base's fields come first: data, model, ..., runtime
+    RuntimeSection, SteerSection, ObserveSection, CheckpointSection, FinetuneSection,
+    PrecisionSection, ParallelSection, OptimizationSection, ModelSection, DataSection,
+):
+    """Every parameter the pipeline reads, section by section (`config_sections`).
+    Nothing else is hard-coded."""
 
-    # Data and model
-    dataset: str = _f(
-        DEFAULT_DATASET,
-        "breast_cancer | digits | diabetes | synthetic | chars | path/to/data.npz (arrays x, "
-        "y) | path/to/x.npy (y.npy beside it, memory-mapped) | package.module:fn",
-    )
-    dataset_args: dict[str, Any] = _kv("key=value arguments for a module:fn dataset")
-    mix: list[str] = field(default_factory=list, metadata={"metavar": "DATASET=WEIGHT", "help":
-        "train on several datasets (each as --dataset takes it) drawn by weight, e.g. "
-        "chars=0.7 mymod:code=0.3: a seeded draw per sample position, the same at any world "
-        "size; their validation sets are joined. Replaces --dataset"})
-    val: list[str] = field(default_factory=list, metadata={"metavar": "NAME=DATASET", "help":
-        "more validation sets, each a dataset as --dataset takes it (its validation part), "
-        "e.g. heldout=mymod:heldout: their figures are NAME/METRIC in the val rows"})
-    collate: str | None = _f(
-        None,
-        "package.module:fn turning a list of samples into a batch (padding variable-length "
-        "samples); used by every DataLoader, training and evaluation",
-    )
-    model: str = _f(
-        "auto",
-        "auto (gpt for token windows, miniresnet for images, else mlp) | mlp | miniresnet | "
-        "gpt | module:fn | hf:DIR (a Hugging Face save_pretrained directory)",
-    )
-    model_args: dict[str, Any] = _kv("key=value arguments for a module:fn model")
-    task: str = _f(
-        "auto",
-        "auto (integer targets: classification, float: regression, token windows: lm) | "
-        "classification | regression | multilabel | lm | module:fn",
-    )
-    task_args: dict[str, Any] = _kv("key=value arguments for a module:fn task")
-    num_classes: int | None = _f(None, "number of classes (default: from the dataset)")
-    in_channels: int | None = _f(None, "image channels (default: from the dataset)")
-    image_size: int | None = _f(None, "image side in pixels (default: from the dataset)")
-    width: int = _f(
-        64, "MiniResNet stem channels (stages use 1x, 2x, 4x) / MLP hidden units / GPT width"
-    )
-    block_size: int = _f(64, "tokens per sample of the chars dataset (the GPT context), "
-                         "and of each window --pack fills")
-    pack: bool = _f(False, "pack the dataset's token documents end to end into --block_size "
-                    "windows, each document attending and positioned on its own")
-    sync_bn: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm")
-    moe_aux_weight: float = _f(0.01, "weight of a mixture of experts' load-balancing loss "
-                               "(its routers'), added to the training loss")
-    val_fraction: float | None = _f(
-        None,
-        "share of the data held out for validation, fixed by --seed (default 0.2; refused "
-        "for a module:fn dataset that returns its own validation set)",
-    )
-    synthetic_size: int = _f(50_000, "number of samples of the synthetic dataset")
-    batch_size: int = _f(64, "samples per rank per micro-step")
-    num_workers: int = _f(
-        0, "DataLoader worker processes per rank (0: in-memory batches are sliced in-process)"
-    )
-    drop_last: bool = _f(False, "drop each epoch's incomplete last batch instead of training on it")
-    # Optimisation
-    epochs: int = _f(10, "number of epochs")
-    optimizer: str = _f(
-        "sgd",
-        "sgd | adamw | package.module:fn, called fn(config, model, **optimizer_args), "
-        "returning an optimizer over the model's parameters (named as in your model)",
-    )
-    lr: float = _f(0.01, "peak learning rate")
-    momentum: float = _f(0.9, "SGD momentum")
-    weight_decay: float = _f(1e-4, "weight decay")
-    warmup_epochs: float = _f(0.0, "linear warm-up length in epochs, then cosine decay to 0")
-    scale_lr: bool = _f(False, "linear scaling rule: lr x world_size x grad_accum_steps "
-                        "(global / per-rank batch)")
-    max_grad_norm: float | None = _f(None, "clip the global gradient norm to this value")
-    max_bad_steps: int = _f(5, "stop after N optimizer steps in a row with non-finite "
-                            "gradients (0: never check)")
-    grad_accum_steps: int = _f(1, "micro-steps per optimizer step (all-reduce on the last only)")
-    global_batch_size: int | None = _f(
-        None,
-        "samples per optimizer step over all ranks; sets --grad_accum_steps to "
-        "G / (world size x --batch_size), so the run is the same on any world size",
-    )
-    # Distributed
-    backend: Literal["auto", "nccl", "gloo"] = _f("auto", "nccl with CUDA, gloo without")
-    device: Literal["auto", "cpu", "cuda"] = _f("auto", "cuda when available, else cpu")
-    timeout_s: float = _f(600.0, "process-group timeout: a rank waiting longer for a peer fails")
-    compile: bool = _f(
-        False, "torch.compile the model (inductor; the first steps pay the compilation)"
-    )
-    channels_last: bool = _f(False, "channels_last memory format for image models and inputs")
-    strategy: Literal["ddp", "zero", "fsdp"] = _f(
-        "ddp",
-        "how the model is spread over 2+ ranks: ddp (replicas) | zero (DDP, optimizer state "
-        "sharded) | fsdp (FSDP2: parameters, gradients and optimizer state sharded)",
-    )
-    fsdp_wrap: str | None = _f(
-        None,
-        "fsdp: comma-separated module class names sharded one by one (default: the model's "
-        "repeated blocks); with --activation_checkpointing, under any strategy, the blocks "
-        "it recomputes",
-    )
-    reshard_after_forward: bool = _f(
-        True, "fsdp: free gathered parameters after forward (ZeRO-3); no: keep them (ZeRO-2)"
-    )
-    fsdp_cpu_offload: bool = _f(False, "fsdp on GPU: keep sharded parameters on the CPU")
-    # The device mesh: world size = dp_replicate x (data-parallel shards) x tp x pp
-    dp_replicate: int = _f(
-        1,
-        "fsdp: replicas of the model, each sharded over world size / (dp_replicate x tp x "
-        "pp) ranks (HSDP: shards stay inside a node, replicas all-reduce across nodes)",
-    )
-    tp: int = _f(
-        1,
-        "tensor parallelism: ranks that split each layer (attention heads, MLP) and see the "
-        "same batch; inside a node",
-    )
-    pp: int = _f(
-        1,
-        "pipeline parallelism: ranks that each hold a stage of the model's layers, in "
-        "order (the outermost mesh dimension: stages may cross nodes)",
-    )
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved1f1b"] = _f(
-        "1f1b",
-        "--pp: the pipeline schedule; interleaved1f1b gives each rank two stages "
-        "(a smaller bubble, more messages)",
-    )
-    pp_microbatches: int | None = _f(
-        None,
-        "--pp: micro-batches each batch is cut into as it flows through the stages "
-        "(default: --pp; must divide --batch_size)",
-    )
-    pp_split: str | None = _f(
-        None,
-        "package.module:fn, fn(model, stage, stages) returns that stage's module for a "
-        "model that is not the built-in GPT under --pp",
-    )
-    ep: int = _f(1, "expert parallelism: each mixture-of-experts layer's experts spread over "
-                 "this many data-parallel ranks (a divisor of their number; ddp or fsdp), tokens "
-                 "sent to them and back with an all-to-all; 1: every rank holds every expert")
-    tp_plan: str | None = _f(
-        None,
-        "package.module:fn, fn(model, tp_mesh) parallelizes a model that is not the "
-        "built-in GPT under --tp",
-    )
-    sequence_parallel: bool = _f(
-        False,
-        "built-in GPT under --tp: norms and residual stream split by sequence over the tp "
-        "ranks (their activations / tp, same traffic; the sequence length must divide)",
-    )
-    find_unused_parameters: bool = _f(
-        False,
-        "ddp, zero: a model whose steps leave some parameters out of the loss (a branch "
-        "not taken): DDP looks for them each step instead of waiting for their gradients",
-    )
-    static_graph: bool = _f(
-        False,
-        "ddp, zero: the model uses the same parameters on every step (some may never be "
-        "used); DDP then skips the per-step search. Not with gradient accumulation",
-    )
-    # Fine-tuning: which parameters train, and how
-    freeze: list[str] = field(
-        default_factory=list,
-        metadata={"help": "GLOB ...: parameters whose names match are not trained (no "
-                  "gradients, not in the optimizer, not reduced); a pattern matching "
-                  "nothing is an error"},
-    )
-    lora_rank: int = _f(0, "train LoRA adapters of this rank on the model's linear layers, "
-                        "the model frozen (peft: `pip install 'ddptrain[lora]'`); 0: off")
-    lora_alpha: float | None = _f(None, "the adapters' scale is alpha / rank (default 2 x rank)")
-    lora_dropout: float = _f(0.0, "dropout on the adapters' input")
-    lora_targets: list[str] = field(default_factory=list, metadata={"help": "GLOB ...: the "
-        "linear layers (module names) the adapters wrap; default: those in the repeated blocks"})
-    lora_quantize: Literal["off", "nf4"] = _f(
-        "off", "QLoRA: keep the adapted layers' frozen weights in 4-bit NormalFloat (nf4, "
-        "torchao; ddp, zero or one process), dequantized as each layer computes")
-    lr_scale: dict[str, float] = field(
-        default_factory=dict,
-        metadata={"help": "GLOB=FACTOR ...: the learning rate of the parameters whose names "
-                  "match, times FACTOR (the first matching pattern counts)", "glob_keys": True},
-    )
-    decay_all: bool = _f(
-        False, "weight decay on every parameter (default: none on biases and normalisation "
-        "weights)",
-    )
-    optimizer_args: dict[str, Any] = _kv("key=value arguments for a module:fn optimizer")
-    scheduler: str = _f(
-        "cosine",
-        "cosine (linear warm-up, then cosine to 0) | package.module:fn, called fn(config, "
-        "optimizer, total_steps=, steps_per_epoch=, warmup_steps=, **scheduler_args), "
-        "stepped once per optimizer step",
-    )
-    scheduler_args: dict[str, Any] = _kv("key=value arguments for a module:fn scheduler")
-    activation_checkpointing: Literal["off", "block", "selective"] = field(
-        default="off", metadata={"bare": "block", "help": (
-            "recompute activations in backward, in the repeated blocks (the blocks fsdp "
-            "shards; --fsdp_wrap names them): block (the flag alone: each block's whole "
-            "forward again; least memory) or selective (per op: the outputs of matmuls and "
-            "attention are kept, the cheap ops between them recomputed)")},
-    )
-    # Mixed precision
-    use_amp: bool = _f(True, "mixed precision on CUDA; on CPU only with --amp_dtype bfloat16")
-    amp_dtype: Literal["auto", "float16", "bfloat16"] = _f(
-        "auto", "autocast dtype (auto: bfloat16 on GPUs with native bf16, else float16 + "
-        "GradScaler; off on CPU)"
-    )
-    float8: Literal["off", "tensorwise", "rowwise"] = _f(
-        "off", "train the linear layers in float8 (torchao, `pip install torchao`): "
-        "tensorwise (one scale per tensor; under fsdp the all-gather is float8 too) or "
-        "rowwise (a scale per row: closer to bf16, slower); GPUs of compute capability "
-        "8.9+ (H100, L4, RTX 4090), and the CPU, where it is emulated (for tests)"
-    )
-    tf32: Literal["auto", "on", "off"] = _f(
-        "auto", "float32 matmuls and convolutions in TF32 on GPUs that have it (compute "
-        "capability 8.0+): auto (on there, as most training tools do; about 1e-3 of "
-        "relative error), on, off (IEEE float32)"
-    )
-    # Run directory and checkpoints
-    output_dir: str | None = _f(
-        None,
-        "run directory: config.yaml, metrics.jsonl, checkpoints (default: a new "
-        "runs/<dataset>-<id> for each fresh run)",
-    )
-    checkpoint_dir: str | None = _f(None, "checkpoint directory (default: OUTPUT_DIR/checkpoints)")
-    save_every: int = _f(1, "checkpoint every N epochs (0: only the final one)")
-    save_every_steps: int = _f(0, "also checkpoint every N optimizer steps (0: off)")
-    keep_last: int = _f(0, "keep only the newest K checkpoints (0: keep all)")
-    resume_from: str | None = _f(
-        None, "checkpoint to resume from: a .pt file, a DCP step directory, or 'auto' (newest)"
-    )
-    init_from: str | None = _f(
-        None,
-        "start from these weights only (fresh optimizer, schedule and progress): a "
-        ".safetensors file, a run directory, a .pt checkpoint, a DCP step directory or a "
-        "Hugging Face save_pretrained directory; a resume wins over it",
-    )
-    init_strict: bool = _f(
-        True, "--init_from must fit the model exactly (false: load what fits, log the rest)"
-    )
-    checkpoint_format: Literal["auto", "file", "dcp"] = _f(
-        "auto",
-        "file: one .pt written by rank 0 | dcp: a step directory, every rank writes its shard "
-        "(auto: dcp under zero and fsdp, and under ddp once the model and optimizer "
-        "state pass 2 GiB; file otherwise)",
-    )
-    async_checkpoint: bool = _f(
-        False, "dcp: write checkpoints in the background while training goes on"
-    )
-    checkpoint_timeout_s: float = _f(
-        1800.0, "how long ranks wait for a checkpoint write before calling the storage "
-        "stuck (apart from --timeout_s: a slow save is not a lost peer)",
-    )
-    preempt_exit_code: int | None = _f(
-        None,
-        "exit code after a SIGTERM stop and its checkpoint (default: 143 on Kubernetes, "
-        "whose ExitCode restart policy retries 128-255; 75 elsewhere, EX_TEMPFAIL)",
-    )
-    # Logging and profiling
-    log_interval: int = _f(10, "optimizer steps between train metric lines")
-    straggler_factor: float = _f(
-        3.0, "name a rank (log line, 'stragglers' in metrics.jsonl and the summary) whose wait "
-        "for its batches per step stays above this many times the other ranks' median, and "
-        "above a tenth of the step, for 3 metric syncs running (0: off)",
-    )
-    enable_profiling: bool = _f(False, "record a torch.profiler trace on rank 0")
-    memory_snapshot: bool = _f(
-        False, "CUDA: record the allocator's history from the start; an out-of-memory error "
-        "dumps it to oom/rank<R>.pickle (https://pytorch.org/memory_viz)",
-    )
-    tensorboard: bool = _f(
-        True, "write TensorBoard event files when the tensorboard package is installed"
-    )
-    curves: bool = _f(
-        True, "draw curves.png at the end (rank 0, in a child process: about a CPU-second; "
-        "--no-curves for sweeps); needs matplotlib (ddptrain[viz])",
-    )
-    tracker: Literal["none", "mlflow", "wandb"] = _f(
-        "none", "experiment tracker: mlflow logs params, metrics and artifacts to "
-        "MLFLOW_TRACKING_URI (default: a store in the run directory); wandb to Weights & "
-        "Biases (files in <run_dir>/wandb; WANDB_MODE=offline works without a network)",
-    )
-    # Early stopping and weight averaging
-    early_stopping: int = _f(
-        0, "finish the run after N epochs without improvement of the task's best "
-        "validation metric (0: off)",
-    )
-    early_stopping_min_delta: float = _f(
-        0.0, "with --early_stopping: the least change of the metric that counts as one"
-    )
-    best_metric: str | None = _f(
-        None, "the validation figure that chooses the best epoch and drives --early_stopping: "
-        "METRIC (the --dataset's set) or NAME/METRIC (a --val set); the task's metric or "
-        "loss (default: the task's metric on the --dataset's set)",
-    )
-    spike_factor: float = _f(
-        5.0, "warn of a loss spike: a train row's loss above this many times the median of "
-        "the rows before it, for --spike_rows rows running (0: off)",
-    )
-    spike_rows: int = _f(1, "with --spike_factor: the train rows running that make a spike")
-    on_spike: Literal["warn", "stop", "rollback"] = _f(
-        "warn", "warn: a warning line; stop: also stop the run at the next agreed step, with "
-        "a checkpoint and the spike as its stop_reason; rollback: every rank goes back to the "
-        "newest checkpoint before the spike and on from there, the spike's steps skipped "
-        "(as --skip_steps), at most --max_rollbacks times",
-    )
-    max_rollbacks: int = _f(3, "with --on_spike rollback: the rollbacks a run may make; a "
-                            "spike after them ends the run (exit 4)")
-    skip_steps: list[str] = field(default_factory=list, metadata={"metavar": "STEPS", "help":
-        "STEP or FIRST-LAST ...: optimizer steps whose batches are read but not trained on "
-        "(no forward, no update; the schedule goes on): to step past data that spiked the loss"})
-    ema_decay: float | None = _f(
-        None, "keep an exponential moving average of the weights with this decay (e.g. "
-        "0.999), validated each epoch (val ema_* figures) and exported as "
-        "model_ema.safetensors",
-    )
-    export_ema: bool = _f(
-        False, "with --ema_decay: model.safetensors holds the EMA weights (the raw ones go "
-        "to model_raw.safetensors)",
-    )
-    export: Literal["last", "best"] = _f(
-        "last", "the weights model.safetensors (and hf/) hold at the end: the last step's, or "
-        "those of the best validation epoch's checkpoint (as after --early_stopping)",
-    )
-    export_shard_mb: float = _f(5000, "largest weight file of hf/ in MB (transformers' "
-                                "max_shard_size): a bigger model gets several, each by one rank")
-    seed: int = _f(42, "seed of weights, data split, shuffling and workers (0..4294967295)")
-    dry_run: bool = _f(False, "print the run's plan and resolved config, then exit")
-    run_id: str | None = _f(None, "the run's id (set by ddptrain on a fresh start, kept on resume)")
     given_in_python: list[str] = field(default_factory=list, metadata={"internal": True, "help": (
         "the fields Python objects stood in for (`ddptrain.fit(model=..., datasets=...)`): "
         "what ran is not in this config, and `evaluate`, `predict` and `--config` say so")})
@@ -386,13 +74,10 @@ class TrainingConfig:
         return Path(self.checkpoint_dir) if self.checkpoint_dir else self.run_dir / "checkpoints"
 
     @property
-    def checkpoint_kind(self) -> str:
-        """'file' or 'dcp': what `--checkpoint_format auto` means under this strategy and
-        layout (tensor- or pipeline-parallel ranks each write a share: DCP)."""
-        if self.checkpoint_format != "auto":
-            return self.checkpoint_format
-        whole = self.strategy == "ddp" and Layout.of(self).plain and self.ep == 1
-        return "file" if whole else "dcp"
+    def checkpoint_kind(self) -> CheckpointKind:
+        """What `--checkpoint_format auto` means under this strategy and layout, before the
+        model's size is known (`checkpoint_kind.checkpoint_kind`)."""
+        return decide_kind(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -402,8 +87,9 @@ class TrainingConfig:
         """Refuse values no run can use; each message names the field, the value, the fix.
 
         What any field must be (a finite number) first, then each section's own checks
-        (`config_checks.SECTION_CHECKS`, one per entry of `SECTIONS`, each refusing only
-        its section's fields). What needs more than the config (the data's shape, the
+        (`config_checks.SECTION_CHECKS`, one per entry of `SECTIONS`, each typed by its
+        section, so it can read no other), then the rules between sections
+        (`check_across`). What needs more than the config (the data's shape, the
         model, the world size) is checked beside the code that needs it, still before the
         process group:
         `parallel.mesh.plan_mesh`, `parallel.resolve` (strategy flags, the model's layout),
@@ -419,6 +105,7 @@ class TrainingConfig:
                 _bad(f.name, value, "use a finite number")
         for section in SECTIONS:
             SECTION_CHECKS[section](self)
+        check_across(self)
         return self
 
 def _recompute_mode(on: bool) -> Any:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ddptrain.checkpoint_kind import CheckpointKind
 from ddptrain.config_values import bad as _bad
 from ddptrain.config_values import check_dataset, is_import_ref, mix_weights, step_ranges, val_sets
 from ddptrain.errors import ConfigError
@@ -17,6 +18,18 @@ from ddptrain.layout import Layout
 
 if TYPE_CHECKING:
     from ddptrain.config import TrainingConfig
+    from ddptrain.config_sections import (
+        CheckpointSection,
+        DataSection,
+        FinetuneSection,
+        ModelSection,
+        ObserveSection,
+        OptimizationSection,
+        ParallelSection,
+        PrecisionSection,
+        RuntimeSection,
+        SteerSection,
+    )
 
 BUILTIN_DATASETS = ("breast_cancer", "digits", "diabetes", "synthetic", "chars")
 BUILTIN_MODELS = ("auto", "mlp", "miniresnet", "gpt")
@@ -29,13 +42,13 @@ WIDTH_MAX = 2**20  # --width: beyond it no built-in model's layer fits a host (s
 DEFAULT_DATASET = "breast_cancer"
 
 
-def _at_least(c: TrainingConfig, minimum: float, fix: str, *names: str) -> None:
+def _at_least(c: object, minimum: float, fix: str, *names: str) -> None:
     for name in names:
         value = getattr(c, name)
         if value is not None and value < minimum:
             _bad(name, value, fix)
 
-def check_data(c: TrainingConfig) -> None:
+def check_data(c: DataSection) -> None:
     _at_least(c, 1, "use a whole number of at least 1", "batch_size", "block_size")
     _at_least(c, 0, "use a value of 0 or more", "num_workers")
     if c.synthetic_size < 2:
@@ -50,16 +63,12 @@ def check_data(c: TrainingConfig) -> None:
     if c.pack and c.block_size < 2:
         _bad("block_size", c.block_size, "--pack predicts each token of a window from "
              "those before it, and a window of 1 has none: use --block_size 2 or more")
-    if c.pack and (c.pp > 1 or c.sequence_parallel):
-        flag = "--pp" if c.pp > 1 else "--sequence_parallel"
-        raise ConfigError(f"--pack keeps documents apart with a mask that {flag} does not "
-                          f"pass on: drop --pack, or train without {flag}")
     for _, ds in val_sets(c.val):
         check_dataset(BUILTIN_DATASETS, ds, "val")
     if c.collate is not None and not is_import_ref(c.collate):
         _bad("collate", c.collate, "give package.module:fn, a function of a list of samples")
 
-def check_model(c: TrainingConfig) -> None:
+def check_model(c: ModelSection) -> None:
     _at_least(c, 1, "use a whole number of at least 1", "width")
     if c.width > WIDTH_MAX:
         _bad("width", c.width, f"use at most {WIDTH_MAX:,} (a layer: width x width weights)")
@@ -78,7 +87,7 @@ def check_model(c: TrainingConfig) -> None:
     if not (c.task in BUILTIN_TASKS or is_import_ref(c.task)):
         _bad("task", c.task, f"choose one of {', '.join(BUILTIN_TASKS)} or module:fn")
 
-def check_optimization(c: TrainingConfig) -> None:
+def check_optimization(c: OptimizationSection) -> None:
     _at_least(c, 1, "use a whole number of at least 1", "epochs", "grad_accum_steps")
     _at_least(c, 0, "use a value of 0 or more", "max_bad_steps", "weight_decay",
                    "momentum", "warmup_epochs")
@@ -98,7 +107,7 @@ def check_optimization(c: TrainingConfig) -> None:
             _bad("lr_scale", f"{pattern}={factor}",
                  "give GLOB=FACTOR with a positive factor (to train nothing: --freeze)")
 
-def check_parallel(c: TrainingConfig) -> None:
+def check_parallel(c: ParallelSection) -> None:
     _at_least(c, 1, "use a whole number of at least 1 (1: off)", "dp_replicate", "tp", "pp")
     if c.tp_plan is not None and not is_import_ref(c.tp_plan):
         _bad("tp_plan", c.tp_plan, "give package.module:fn, fn(model, tp_mesh)")
@@ -111,10 +120,10 @@ def check_parallel(c: TrainingConfig) -> None:
         raise ConfigError(f"--ep {c.ep} runs under --strategy ddp or fsdp (with --tp "
                           "or not): drop --ep, or --pp, --dp_replicate and zero")
 
-def check_precision(c: TrainingConfig) -> None:
+def check_precision(c: PrecisionSection) -> None:
     pass  # each field is a choice argparse and the dataclass's types already hold to
 
-def check_finetune(c: TrainingConfig) -> None:
+def check_finetune(c: FinetuneSection) -> None:
     if c.init_from is not None and not Path(c.init_from).exists():
         _bad("init_from", c.init_from, "give an existing .safetensors or .pt file, a "
              "run, DCP step or Hugging Face directory")
@@ -131,51 +140,28 @@ def check_finetune(c: TrainingConfig) -> None:
     if given and not c.lora_rank:
         _bad(given[0], getattr(c, given[0]), "it shapes the adapters of --lora_rank: "
              "give --lora_rank R too")
-    clash = [f for f in ("float8",) if getattr(c, f) not in (1, "off")]
-    if c.lora_rank and clash:
-        raise ConfigError(f"--lora_rank with --{clash[0]} is unsupported: train the "
-                          "adapters with --strategy ddp or fsdp, or --tp")
-    split = "--strategy fsdp" if c.strategy == "fsdp" else (
-        ("--tp" if c.tp > 1 else "--pp") if Layout.of(c).splits_model else None)
-    if c.lora_quantize != "off" and split is not None:
-        raise ConfigError(f"--lora_quantize {c.lora_quantize} with {split} is "
-                          "unsupported: each rank keeps the whole quantized base; use "
-                          "--strategy ddp or zero (4 bits a weight: 70B in about 36 GB)")
     if c.lora_quantize != "off" and importlib.util.find_spec("torchao") is None:
         _bad("lora_quantize", c.lora_quantize, "it needs torchao: pip install torchao")
 
-def check_checkpoint(c: TrainingConfig) -> None:
+def check_checkpoint(c: CheckpointSection) -> None:
     _at_least(c, 0, "use a value of 0 or more", "save_every", "save_every_steps",
                    "keep_last")
     if c.resume_from not in (None, "auto") and not Path(c.resume_from).exists():
         _bad("resume_from", c.resume_from,
              "give an existing checkpoint file or DCP step directory, or 'auto'")
-    if c.ep > 1 and c.checkpoint_format == "file":
-        _bad("checkpoint_format", "file", "--ep spreads the experts over the ranks, each "
-             "writing its own: use --checkpoint_format dcp (or auto)")
-    if c.async_checkpoint and c.checkpoint_kind == "file":
-        _bad("async_checkpoint", True, "background saves write DCP step directories: add "
-             "--checkpoint_format dcp (or use --strategy zero / fsdp)")
     if not c.checkpoint_timeout_s > 0:
         _bad("checkpoint_timeout_s", c.checkpoint_timeout_s,
              "use a positive number of seconds")
     if c.preempt_exit_code is not None and not 1 <= c.preempt_exit_code <= 255:
         _bad("preempt_exit_code", c.preempt_exit_code, "use an exit code in 1..255")
-    if c.export_ema and c.ema_decay is None:
-        _bad("export_ema", True, "add --ema_decay D: there is no average to export")
     _at_least(c, 1e-6, "use a positive number of MB", "export_shard_mb")
 
-def check_observe(c: TrainingConfig) -> None:
+def check_observe(c: ObserveSection) -> None:
     _at_least(c, 1, "use a whole number of at least 1", "log_interval")
     if c.straggler_factor != 0 and not c.straggler_factor > 1:
         _bad("straggler_factor", c.straggler_factor, "use a factor above 1, or 0 (off)")
 
-def check_steer(c: TrainingConfig) -> None:
-    sets = [name for name, _ in val_sets(c.val)]
-    where, _, metric = (c.best_metric or "").rpartition("/")
-    if c.best_metric is not None and (not metric or (where and where not in sets)):
-        _bad("best_metric", c.best_metric, "give METRIC, or NAME/METRIC with NAME one "
-             f"of --val's sets ({', '.join(sets) or 'none given'})")
+def check_steer(c: SteerSection) -> None:
     if c.early_stopping < 0:
         _bad("early_stopping", c.early_stopping, "use a number of epochs, or 0 (off)")
     if c.early_stopping_min_delta < 0:
@@ -191,14 +177,47 @@ def check_steer(c: TrainingConfig) -> None:
     if c.ema_decay is not None and not 0 < c.ema_decay < 1:
         _bad("ema_decay", c.ema_decay, "use a decay between 0 and 1, e.g. 0.999")
 
-def check_runtime(c: TrainingConfig) -> None:
+def check_runtime(c: RuntimeSection) -> None:
     if not 0 <= c.seed <= SEED_MAX:
         _bad("seed", c.seed, f"use a whole number in 0..{SEED_MAX}")
     if not c.timeout_s > 0:
         _bad("timeout_s", c.timeout_s, "use a positive number of seconds")
 
 
-SECTION_CHECKS: dict[str, Callable[[TrainingConfig], None]] = {
+def check_across(c: TrainingConfig) -> None:
+    """The rules that join fields of several sections, after each section's own."""
+    if c.pack and (c.pp > 1 or c.sequence_parallel):
+        flag = "--pp" if c.pp > 1 else "--sequence_parallel"
+        raise ConfigError(f"--pack keeps documents apart with a mask that {flag} does not "
+                          f"pass on: drop --pack, or train without {flag}")
+    clash = [f for f in ("float8",) if getattr(c, f) not in (1, "off")]
+    if c.lora_rank and clash:
+        raise ConfigError(f"--lora_rank with --{clash[0]} is unsupported: train the "
+                          "adapters with --strategy ddp or fsdp, or --tp")
+    split = "--strategy fsdp" if c.strategy == "fsdp" else (
+        ("--tp" if c.tp > 1 else "--pp") if Layout.of(c).splits_model else None)
+    if c.lora_quantize != "off" and split is not None:
+        raise ConfigError(f"--lora_quantize {c.lora_quantize} with {split} is "
+                          "unsupported: each rank keeps the whole quantized base; use "
+                          "--strategy ddp or zero (4 bits a weight: 70B in about 36 GB)")
+    if c.ep > 1 and c.checkpoint_format == "file":
+        _bad("checkpoint_format", "file", "--ep spreads the experts over the ranks, each "
+             "writing its own: use --checkpoint_format dcp (or auto)")
+    if c.async_checkpoint and c.checkpoint_kind is CheckpointKind.FILE:
+        _bad("async_checkpoint", True, "background saves write DCP step directories: add "
+             "--checkpoint_format dcp (or use --strategy zero / fsdp)")
+    if c.export_ema and c.ema_decay is None:
+        _bad("export_ema", True, "add --ema_decay D: there is no average to export")
+    sets = [name for name, _ in val_sets(c.val)]
+    where, _, metric = (c.best_metric or "").rpartition("/")
+    if c.best_metric is not None and (not metric or (where and where not in sets)):
+        _bad("best_metric", c.best_metric, "give METRIC, or NAME/METRIC with NAME one "
+             f"of --val's sets ({', '.join(sets) or 'none given'})")
+
+
+# Each section's checks read its own fields alone (their types say so); `check_across`
+# holds the rules between sections and runs last.
+SECTION_CHECKS: dict[str, Callable[[Any], None]] = {
     "data": check_data, "model": check_model, "optimization": check_optimization,
     "parallel": check_parallel, "precision": check_precision, "finetune": check_finetune,
     "checkpoint": check_checkpoint, "observe": check_observe, "steer": check_steer,

@@ -14,7 +14,10 @@ size, the strategy and the model is checked before the process group
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ddptrain.config_sections import ParallelSection
 
 # the mesh's dimensions, outermost first (`parallel.mesh` says why this order)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -30,7 +33,7 @@ class Layout:
     ep: int = 1  # expert groups of this many data-parallel ranks (`parallel.ep`)
 
     @classmethod
-    def of(cls, config: Any, world_size: int | None = None) -> Layout:
+    def of(cls, config: ParallelSection, world_size: int | None = None) -> Layout:
         """The layout `config`'s flags ask of `world_size` ranks (unknown: as many as the
         fixed degrees take, one data-parallel shard); a world the degrees do not divide
         keeps its remainder out of `dp_shard` (`parallel.mesh.plan_mesh` refuses it)."""
@@ -67,6 +70,12 @@ class Layout:
     def plain(self) -> bool:
         """Data parallelism alone (ddp, zero, fsdp over every rank): no mesh needed."""
         return self.pp == self.dp_replicate == self.cp == self.tp == 1
+
+    @property
+    def needs_mesh(self) -> bool:
+        """Whether the job needs a device mesh: any dimension but data parallelism over
+        every rank, or experts spread over groups of the data-parallel ranks."""
+        return not self.plain or self.ep > 1
 
     def describe(self) -> str:
         """Every mesh dimension with its degree: `pp 1 x dp_replicate 1 x dp_shard 2 x tp 2`."""

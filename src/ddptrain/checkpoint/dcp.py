@@ -68,11 +68,12 @@ from ddptrain.checkpoint.dcp_read import (
 )
 from ddptrain.checkpoint.dcp_read import load_metadata as load_metadata  # importable here too
 from ddptrain.checkpoint.integrity import share
+from ddptrain.checkpoint.kind import META, entries, resolve_checkpoint
+from ddptrain.checkpoint.kind import is_whole as is_whole  # importable here too
 from ddptrain.checkpoint.summing import Damaged, SummingWriter
 from ddptrain.context import DistributedContext
 from ddptrain.files import atomic_write_text, files_damage, fsync_dir, remove
 
-META = "meta.pt"
 LATEST_DIR = "latest"
 BEST_DIR = "best"
 _DIR = re.compile(r"^step_(\d+)$")
@@ -81,10 +82,6 @@ _PARTIAL = re.compile(r"^\.step_(\d+)\.partial$")
 
 def dir_name(step: int) -> str:
     return f"step_{step:09d}"
-
-
-def is_whole(path: Path) -> bool:
-    return (path / ".metadata").is_file() and (path / META).is_file()
 
 
 def read_meta(path: Path, device: torch.device) -> dict[str, Any]:
@@ -123,10 +120,9 @@ def check_shards(path: Path, meta: dict[str, Any], ctx: DistributedContext) -> N
 def list_step_dirs(directory: Path, whole: bool = True) -> list[Path]:
     """Whole step directories in `directory`, newest first; with `whole=False` also those
     that lost a file since (a save renames its directory into place only once whole)."""
-    if not directory.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _DIR.match(p.name))]
-    return [p for _, p in sorted(found, reverse=True) if p.is_dir() and (not whole or is_whole(p))]
+    found = [(int(m.group(1)), p) for p in entries(directory) if (m := _DIR.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)
+            if resolve_checkpoint(p).directory and (not whole or is_whole(p))]
 
 
 class ShardedCheckpointer:
@@ -315,7 +311,7 @@ def follow_pointer(path: Path) -> Path:
     if not _DIR.match(name):
         return path
     target = path.parent / name
-    if not target.is_dir():
+    if not resolve_checkpoint(target).directory:
         raise CheckpointError(
             f"checkpoint {str(path)!r} names {name}, which is not in {str(path.parent)!r} "
             "(removed since): give another step directory, or --resume_from auto"

@@ -28,6 +28,7 @@ from ddptrain.checkpoint.integrity import (
     share,
     tensors_damage,
 )
+from ddptrain.checkpoint.kind import CheckpointKind, resolve_checkpoint
 from ddptrain.checkpoint.manager import load_checkpoint
 from ddptrain.checkpoint.streamed import (
     HF_SHARD_BYTES,
@@ -105,7 +106,8 @@ def export_safetensors(checkpoint: Path, out: Path, overwrite: bool = False) -> 
 
     check_output(out, "output", overwrite)
     checkpoint = follow_pointer(checkpoint)
-    if not checkpoint.is_dir() or _stored_config(checkpoint).get("lora_rank"):
+    found = resolve_checkpoint(checkpoint)
+    if found.kind is CheckpointKind.FILE or _stored_config(checkpoint).get("lora_rank"):
         # a LoRA step directory read whole: its merge needs each layer's three tensors
         state, config = _state_and_config(checkpoint)
         lora = stored_lora(state, config)
@@ -154,7 +156,7 @@ def _stored_config(checkpoint: Path) -> dict[str, Any]:
 def _state_and_config(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A checkpoint's whole model state (checksums checked) and its stored config; a
     `.pt` file read once."""
-    if checkpoint.is_dir():
+    if resolve_checkpoint(checkpoint).kind is CheckpointKind.DCP:
         return checkpoint_model_state(checkpoint), _stored_config(checkpoint)
     payload = load_checkpoint(checkpoint, torch.device("cpu"), verify=True)
     return dict(payload["model_state_dict"]), dict(payload.get("config") or {})
@@ -222,7 +224,7 @@ def checkpoint_model_state(
     from ddptrain.checkpoint.dcp import follow_pointer
 
     checkpoint = follow_pointer(checkpoint)
-    if checkpoint.is_dir():
+    if resolve_checkpoint(checkpoint).kind is CheckpointKind.DCP:
         from ddptrain.checkpoint.dcp import model_state_from_dir
 
         _check_step_dir(checkpoint, ctx)

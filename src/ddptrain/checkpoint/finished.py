@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.checkpoint.dcp import list_step_dirs
+from ddptrain.checkpoint.kind import resolve_checkpoint
 from ddptrain.checkpoint.pt import list_checkpoints
 from ddptrain.errors import EXIT_IO, ConfigError, TrainingStopped
 from ddptrain.files import SUMS_FILE, atomic_write_text, file_crc, fsync_dir, read_regular
@@ -138,7 +139,7 @@ def _stamp(run_dir: Path, name: str) -> list[int] | None:
     """[bytes] of a weights file, [bytes, crc32] of a small file; a directory by its
     `SUMS_FILE`; None where there is none."""
     path = run_dir / name
-    if path.is_dir() and not path.is_symlink():
+    if resolve_checkpoint(path).own_directory:
         path = path / SUMS_FILE
     if path.is_symlink() or not path.is_file():
         return None

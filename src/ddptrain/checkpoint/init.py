@@ -48,6 +48,7 @@ from ddptrain.checkpoint.dcp import (
     read_meta,
 )
 from ddptrain.checkpoint.export import safetensors_share_damage
+from ddptrain.checkpoint.kind import resolve_checkpoint
 from ddptrain.checkpoint.streamed import metadata_damage
 from ddptrain.context import DistributedContext
 from ddptrain.errors import few
@@ -106,10 +107,6 @@ def _weights_file(path: Path) -> Path:
     raise CheckpointError(f"--init_from {str(path)!r} holds no {WEIGHTS}: {hint}")
 
 
-def _is_step_dir(path: Path) -> bool:
-    return path.is_dir() and (path / ".metadata").is_file()
-
-
 def _safetensors_files(path: Path, flag: str = FLAG) -> list[Path]:
     if path.name != SHARDED:
         return [path]
@@ -163,7 +160,8 @@ def source_shapes(path: Path, flag: str = FLAG) -> tuple[Shapes, dict[str, str]]
     directories are checked as the ranks read them (`load_initial_weights`)."""
     cpu = torch.device("cpu")
     path = follow_pointer(path)
-    if _is_step_dir(path):
+    found = resolve_checkpoint(path)
+    if found.step_dir:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         read_meta(path, cpu)
@@ -173,7 +171,7 @@ def source_shapes(path: Path, flag: str = FLAG) -> tuple[Shapes, dict[str, str]]
             for key, md in entries.items()
             if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
         }, {}
-    if path.is_dir():
+    if found.directory:
         return _safetensors_shapes(_weights_file(path), flag)
     if path.suffix == ".safetensors":
         return _safetensors_shapes(path, flag)
@@ -278,7 +276,7 @@ def load_initial_weights(
         log.warning("--init_from %s: %d tensors load, the rest keep their initial values "
                     "(%s)", path, fit.loaded, fit.describe())
     source = follow_pointer(path)
-    if _is_step_dir(source) or source.is_dir() or source.suffix == ".safetensors":
+    if resolve_checkpoint(source).directory or source.suffix == ".safetensors":
         _read_own_parts(module, source, loads, ctx)
     else:
         _receive_from_rank0(module, source, loads, ctx)
@@ -345,13 +343,14 @@ def _read_own_parts(
             twins.append((own[name], stored))
         else:
             into[stored] = own[name]
-    if _is_step_dir(source):
+    found = resolve_checkpoint(source)
+    if found.step_dir:
         meta = read_meta(source, torch.device("cpu"))
         if not meta.get("items"):  # written before per-entry checksums: its files first
             check_shards(source, meta, ctx)
         load_sharded(source, {"model": into}, meta)  # each entry checked as it is read
     else:
-        files = _safetensors_files(_weights_file(source) if source.is_dir() else source, flag)
+        files = _safetensors_files(_weights_file(source) if found.directory else source, flag)
         damage = _shared_damage(source, files, ctx)
         if damage is not None:
             raise CheckpointError(f"{flag} {str(source)!r} is damaged: {damage}: export "
@@ -368,7 +367,7 @@ def _shared_damage(source: Path, files: list[Path], ctx: DistributedContext) -> 
     ddptrain wrote with them (a directory's file sums, or a file's tensor sums), each
     rank checking its share; the same answer on every rank."""
     rank, world = ctx.rank, ctx.world_size
-    directory = source if source.is_dir() else None
+    directory = source if resolve_checkpoint(source).directory else None
     if directory is not None and (directory / SUMS_FILE).is_file():
         damage = sums_damage(directory, share=(rank, world))
     else:

@@ -38,6 +38,7 @@ from ddptrain.checkpoint.dcp import (
     read_meta,
     shards_damage,
 )
+from ddptrain.checkpoint.kind import CheckpointKind, resolve_checkpoint
 from ddptrain.checkpoint.pt import LATEST, list_checkpoints, save_checkpoint
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
@@ -57,7 +58,9 @@ def load_checkpoint(path: Path, device: torch.device, verify: bool = False) -> d
     directory that is its `meta.pt`: everything but the sharded weights and optimizer
     state, which `Checkpointer.load` reads into the model's shards (`shards_damage` checks
     them). `verify`: check a file's tensors against their checksums first."""
-    return read_meta(path, device) if path.is_dir() else read_payload(path, device, verify)
+    if resolve_checkpoint(path).kind is CheckpointKind.DCP:
+        return read_meta(path, device)
+    return read_payload(path, device, verify)
 
 
 def load_named(
@@ -115,7 +118,7 @@ def discard_from(directory: Path, step: int, kept: Path) -> None:
     for path in (*list_checkpoints(directory), *list_step_dirs(directory, whole=False)):
         if _step_of(path) >= step:
             remove(path)
-    if kept.is_dir():
+    if resolve_checkpoint(kept).kind is CheckpointKind.DCP:
         atomic_write_text(directory / LATEST_DIR, kept.name + "\n")
         return
     with staged(directory / LATEST) as other:
@@ -187,7 +190,7 @@ def locate_resume(
     skip = list(skip)
     while True:
         found = _agree_on(source, directory, ctx, skip)
-        if found is None or not found[0].is_dir():
+        if found is None or resolve_checkpoint(found[0]).kind is not CheckpointKind.DCP:
             return found
         if checked_in_load and found[1].get("items"):
             return found
@@ -241,7 +244,8 @@ class Checkpointer:
     shard, `checkpoint.dcp`), by the strategy's checkpoint kind; a resume reads either."""
 
     def __init__(
-        self, config: TrainingConfig, ctx: DistributedContext, strategy: Strategy, kind: str
+        self, config: TrainingConfig, ctx: DistributedContext, strategy: Strategy,
+        kind: CheckpointKind | str,
     ) -> None:
         self.directory, self.ctx, self.strategy = config.ckpt_dir, ctx, strategy
         self.keep_last = config.keep_last
@@ -252,7 +256,7 @@ class Checkpointer:
             ShardedCheckpointer(
                 config.ckpt_dir, ctx, config.keep_last, config.async_checkpoint, self.group
             )
-            if kind == "dcp" else None
+            if kind == CheckpointKind.DCP else None
         )
 
     @property
@@ -323,7 +327,7 @@ class Checkpointer:
         `averages`: the EMA tensors a step directory's are loaded into, in place (a `.pt`
         file holds them whole under `EMA_FILE_KEY`). The files read are let go afterwards
         (`forget_reads`)."""
-        if path.is_dir():
+        if resolve_checkpoint(path).kind is CheckpointKind.DCP:
             model, optim = self.strategy.sharded_state(module, optimizer)
             state: dict[str, Any] = {"model": model, "optim": optim}
             if averages is not None:

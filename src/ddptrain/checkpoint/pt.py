@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.checkpoint.common import SaveGroup, agree_on_write, atomic_save, stamped
+from ddptrain.checkpoint.kind import entries
 from ddptrain.context import DistributedContext
 
 LATEST = "latest.pt"
@@ -38,9 +39,7 @@ def prune(directory: Path, keep_last: int) -> None:
 
 def list_checkpoints(directory: Path) -> list[Path]:
     """Step checkpoints in `directory`, newest first."""
-    if not directory.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in entries(directory) if (m := _NAME.match(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
 
 

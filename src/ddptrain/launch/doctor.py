@@ -289,6 +289,7 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
     """The strategy and its layout (`--tp`, `--pp`, `--dp_replicate` over `--world_size` ranks),
     and what it implies per rank for a model of `--parameters`."""
     from ddptrain.config import TrainingConfig
+    from ddptrain.config_sections import ParallelSection
     from ddptrain.parallel import resolve_strategy
     from ddptrain.parallel.memory import format_bytes, optimizer_slots
 
@@ -296,7 +297,8 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag} {value} is invalid: use a positive number of ranks")
-    if args.world_size is None and world_size == 1 and Layout.of(args).world_size > 1:
+    degrees = ParallelSection(tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate, ep=args.ep)
+    if args.world_size is None and world_size == 1 and Layout.of(degrees).world_size > 1:
         flags = " ".join(f"--{f} {getattr(args, f)}" for f in ("tp", "pp", "dp_replicate")
                          if getattr(args, f) > 1)
         raise ConfigError(
@@ -308,11 +310,6 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
     config = TrainingConfig(strategy=args.strategy, optimizer=args.optimizer, tp=args.tp,
                             pp=args.pp, dp_replicate=args.dp_replicate, ep=args.ep).validate()
     choice = resolve_strategy(config, world_size, device)  # a layout that does not fit: one line
-    data = choice.layout.data_parallel if choice.layout else world_size
-    if data % args.ep:
-        raise ConfigError(f"--ep {args.ep} does not divide the job's {data} data-parallel "
-                          f"ranks: an expert group is {args.ep} of them; give --world_size "
-                          "so that it does")
     if args.parameters is None:
         return f"strategy   {choice.label} (give --parameters 125M for the bytes per rank)"
     count = _count("parameters", args.parameters)

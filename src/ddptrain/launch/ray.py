@@ -41,7 +41,7 @@ from ddptrain.errors import (
 )
 from ddptrain.files import atomic_write_text, open_append
 from ddptrain.launch.rundir import new_run_id, refuse_occupied, resolve_layout
-from ddptrain.observe.hooks import Hook
+from ddptrain.observe.hooks import Hook, RunView
 
 log = logging.getLogger("ddptrain")
 
@@ -284,11 +284,11 @@ class _MarkStarted(Hook):
     def __init__(self, marker: Path) -> None:
         self.marker = marker
 
-    def on_fit_start(self, trainer: Any) -> None:
-        if trainer.ctx.is_main:
+    def on_fit_start(self, run: RunView) -> None:
+        if run.is_main:
             self.marker.parent.mkdir(parents=True, exist_ok=True)
             with open_append(self.marker) as f:  # the file itself, never a link's target
-                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} step {trainer.progress.step}\n")
+                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} step {run.step}\n")
 
 
 def _train_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddptrain.observe.fields import metric_text
-from ddptrain.observe.hooks import Hook
-
-if TYPE_CHECKING:
-    from ddptrain.train import Trainer
-
+from ddptrain.observe.hooks import Hook, RunView
 
 log = logging.getLogger("ddptrain")
 
@@ -24,32 +20,33 @@ class Console(Hook):
     def __init__(self) -> None:
         self.bar: Any = None
 
-    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
+    def on_epoch_start(self, run: RunView, epoch: int) -> None:
         self._close_bar()
-        if not (trainer.ctx.is_main and sys.stderr.isatty()):
+        if not (run.is_main and sys.stderr.isatty()):
             return
         from tqdm import tqdm
 
         self.bar = tqdm(
-            total=trainer.steps_per_epoch, initial=trainer.steps_done_in_epoch,
-            desc=f"epoch {epoch}/{trainer.config.epochs}", unit="step", leave=False,
+            total=run.steps_per_epoch, initial=run.step_in_epoch,
+            desc=f"epoch {epoch}/{run.config.epochs}", unit="step", leave=False,
             dynamic_ncols=True,
         )
 
-    def on_step_end(self, trainer: Trainer) -> None:
+    def on_step_end(self, run: RunView) -> None:
         if self.bar is not None:
             self.bar.update(1)
 
-    def on_row(self, trainer: Trainer, row: dict[str, Any]) -> None:
+    def on_row(self, run: RunView, row: dict[str, Any]) -> None:
         if row["split"] == "val":
             self._close_bar()
             log.info(
-                "epoch %d/%d  train %s | val %s | %.1fs", row["epoch"], trainer.config.epochs,
+                "epoch %d/%d  train %s | val %s | %.1fs", row["epoch"], run.config.epochs,
                 metric_text(row, "train_"), metric_text(row), row.get("epoch_time_s", 0.0),
             )
             return
+        total = run.total_steps  # None: the data has no length
         text = (
-            f"epoch {row['epoch']} step {row['step']}/{trainer.total_steps} "
+            f"epoch {row['epoch']} step {row['step']}{f'/{total}' if total else ''} "
             f"{metric_text(row)} lr {row['lr']:.5f} {row['samples_per_sec']:,.0f} samples/s"
         )
         if self.bar is not None:
@@ -80,8 +77,8 @@ class Curves(Hook):
     def __init__(self, sync: bool = False) -> None:
         self.sync = sync
 
-    def on_fit_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
-        if not trainer.ctx.is_main:
+    def on_fit_end(self, run: RunView, summary: dict[str, Any]) -> None:
+        if not run.is_main:
             return
         from ddptrain.observe.plot import (
             draw_in_background,
@@ -92,7 +89,7 @@ class Curves(Hook):
         if not matplotlib_available():
             log.info("matplotlib is not installed: no curves.png (pip install 'ddptrain[viz]')")
             return
-        run_dir = trainer.config.run_dir
+        run_dir = run.config.run_dir
         draw_in_background(run_dir, run_dir / "curves.png")
         log.info("curves %s (drawing)", run_dir / "curves.png")
         if self.sync:

@@ -15,7 +15,7 @@ import torch.profiler as tp
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.files import refuse_link
-from ddptrain.observe.hooks import Hook
+from ddptrain.observe.hooks import Hook, RunView
 
 log = logging.getLogger("ddptrain")
 
@@ -51,7 +51,7 @@ class StepProfiler(Hook):
         self._prof.__enter__()
         log.info("profiling %d steps into %s", active, self.trace_dir)
 
-    def on_step_end(self, trainer: object) -> None:
+    def on_step_end(self, run: RunView) -> None:
         if self._prof is None:
             return
         self._prof.step()

@@ -54,14 +54,13 @@ from typing import TYPE_CHECKING, Any
 
 from ddptrain.errors import ConfigError, Preempted
 from ddptrain.files import refuse_link
-from ddptrain.observe.hooks import Hook
+from ddptrain.observe.hooks import Hook, RunView
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
     from ddptrain.config import TrainingConfig
     from ddptrain.context import DistributedContext
-    from ddptrain.train import Trainer
 
 
 log = logging.getLogger("ddptrain")
@@ -176,12 +175,12 @@ class MLflowTracker(Hook):
         self._saved_uri = state.get("tracking_uri") or None
 
     # ------------------------------------------------------------------ hook points
-    def on_fit_start(self, trainer: Trainer) -> None:
-        if not trainer.ctx.is_main:
+    def on_fit_start(self, run: RunView) -> None:
+        if not run.is_main:
             return
         from mlflow.tracking import MlflowClient
 
-        config = trainer.config
+        config = run.config
         if self.tracking_uri is None:
             self.tracking_uri = default_tracking_uri(config.run_dir)
         if self.tracking_uri.startswith("file:"):
@@ -196,7 +195,7 @@ class MLflowTracker(Hook):
         self._last_flush = time.monotonic()
         log.info("mlflow: run %s in %s", self.run_id, self.tracking_uri)
 
-    def on_row(self, trainer: Trainer, row: dict[str, Any]) -> None:
+    def on_row(self, run: RunView, row: dict[str, Any]) -> None:
         if self._client is None:
             return
         self._pending.append((int(row["step"]), int(time.time() * 1000), row_metrics(row)))
@@ -204,14 +203,14 @@ class MLflowTracker(Hook):
         if row.get("split") == "val" or time.monotonic() - self._last_flush >= self.flush_every_s:
             self._flush()
 
-    def on_fit_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+    def on_fit_end(self, run: RunView, summary: dict[str, Any]) -> None:
         if self._client is None or self.run_id is None:
             return
         from mlflow.entities import RunStatus
 
         self._flush()
         try:
-            run_dir = trainer.config.run_dir
+            run_dir = run.config.run_dir
             for name in ARTIFACTS:
                 if (run_dir / name).is_file():
                     self._client.log_artifact(self.run_id, str(run_dir / name))
@@ -355,35 +354,35 @@ class WandbTracker(Hook):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.run_id = state.get("run_id") or None
 
-    def on_fit_start(self, trainer: Trainer) -> None:
-        if not trainer.ctx.is_main:
+    def on_fit_start(self, run: RunView) -> None:
+        if not run.is_main:
             return
         import wandb
 
-        refuse_link(Path(trainer.config.run_dir) / "wandb")
-        run_dir = Path(trainer.config.run_dir).resolve()
+        refuse_link(Path(run.config.run_dir) / "wandb")
+        run_dir = Path(run.config.run_dir).resolve()
         # The ddptrain run's id (kept across resumes) is the W&B run's too.
-        self.run_id = self.run_id or trainer.config.run_id or uuid.uuid4().hex[:12]
+        self.run_id = self.run_id or run.config.run_id or uuid.uuid4().hex[:12]
         self._run = wandb.init(
             project=self.project or os.environ.get("WANDB_PROJECT") or DEFAULT_EXPERIMENT,
             id=self.run_id, resume="allow", dir=str(run_dir),
-            name=self.run_name or run_dir.name, config=trainer.config.to_dict(),
+            name=self.run_name or run_dir.name, config=run.config.to_dict(),
             settings=wandb.Settings(silent=True, console="off"),
             allow_val_change=True,
         )
         log.info("wandb: run %s in %s", self.run_id, run_dir / "wandb")
 
-    def on_row(self, trainer: Trainer, row: dict[str, Any]) -> None:
+    def on_row(self, run: RunView, row: dict[str, Any]) -> None:
         if self._run is not None:
             self._run.log(row_metrics(row), step=int(row["step"]))
 
-    def on_fit_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+    def on_fit_end(self, run: RunView, summary: dict[str, Any]) -> None:
         if self._run is None:
             return
         import wandb
 
         try:
-            run_dir = trainer.config.run_dir
+            run_dir = run.config.run_dir
             files = wandb.Artifact(f"run-files-{self.run_id}", type="run-files")
             for name in ARTIFACTS:
                 if (run_dir / name).is_file():

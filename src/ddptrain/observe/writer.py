@@ -17,7 +17,7 @@ from typing import Any, TextIO
 
 from ddptrain.errors import EXIT_IO, ConfigError, TrainingStopped
 from ddptrain.files import atomic_write_text, open_append, refuse_link
-from ddptrain.observe.hooks import Hook
+from ddptrain.observe.hooks import Hook, RunView
 
 TENSORBOARD_HANDOVER_S = 20.0  # TensorBoard's own writer flushes every 120 s by default
 
@@ -94,7 +94,7 @@ class MetricsWriter(Hook):
         quiet_writer_threads()
         return SummaryWriter(str(self.tensorboard_dir), purge_step=purge)
 
-    def on_row(self, trainer: Any, row: dict[str, Any]) -> None:
+    def on_row(self, run: RunView, row: dict[str, Any]) -> None:
         self.write(row)
 
     def write(self, row: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
-"""How the model is spread over the ranks: one `Strategy` interface, one file per way
-(`ddp`, `zero`, `fsdp`), chosen once by `resolve_strategy`; `memory` says what each implies
-per rank. A new parallelism is a new file here and a line in `resolve.STRATEGIES`."""
+"""How the model is spread over the ranks: the passes in their one order (`parallelize`),
+then one `Strategy` for what differs at run time (`ddp` with `zero`'s optimizer, `fsdp`,
+`pp`), chosen once by `resolve_strategy`; `memory` says what each implies per rank. A new
+dimension is a pass in `parallelize.PASSES` and a degree in `ddptrain.layout.Layout`."""
 
 from __future__ import annotations
 
@@ -8,19 +9,20 @@ from ddptrain.parallel.base import NO_CONTEXT, OptimizerSpec, Strategy
 from ddptrain.parallel.ddp import DDP
 from ddptrain.parallel.fsdp import FSDP, fsdp_blocks
 from ddptrain.parallel.memory import format_bytes, implied_bytes
+from ddptrain.parallel.parallelize import PASSES, parallelize
 from ddptrain.parallel.resolve import StrategyChoice, resolve_strategy
-from ddptrain.parallel.zero import Zero
 
 __all__ = [
     "DDP",
     "FSDP",
     "NO_CONTEXT",
+    "PASSES",
     "OptimizerSpec",
     "Strategy",
     "StrategyChoice",
-    "Zero",
     "format_bytes",
     "fsdp_blocks",
     "implied_bytes",
+    "parallelize",
     "resolve_strategy",
 ]

@@ -1,7 +1,12 @@
-"""How the model is spread over the ranks: one small interface, one class per way.
+"""What differs at run time between the ways the model is spread over the ranks: one small
+interface, one class for each, none built on another (`ddp.DDP`, with `zero`'s optimizer
+under `--strategy zero`; `fsdp.FSDP`, which also runs a model tp split; `pp.Pipeline`,
+which shards its stages with an `FSDP` of its own). What is done to the module before,
+in one order for all, is `parallelize`'s.
 
 The trainer never asks which strategy runs. It hands `build_module` a way to build the
-model, calls `setup_module` and `build_optimizer` once (and `compile` under `--compile`),
+model, calls `setup_module` (the last of `parallelize`'s passes) and `build_optimizer`
+once (and `compile` under `--compile`),
 runs each micro-batch through `forward_backward` (a plain forward, or a pipeline's
 schedule), uses `clip_grad_norm` / `nonfinite_flags` on the optimizer step, `forward` and
 `share_buffers` to evaluate, and moves state in and out through `full_state` /

@@ -32,24 +32,30 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddptrain.parallel.base import (
     NO_CONTEXT,
+    OptimizerSpec,
     State,
     Strategy,
     by_layout,
     clip_by_layout,
     local_tensor,
 )
-from ddptrain.parallel.ep import expert_parallel, expert_params
+from ddptrain.parallel.ep import expert_params
+from ddptrain.parallel.mesh import ep_mesh
+from ddptrain.parallel.zero import ZeroOptimizer
 
 READY_ORDER = "grad_ready_order"  # the key in `layout_state`: parameter names
 
 
 class DDP(Strategy):
-    """DistributedDataParallel: a full replica per rank, gradients all-reduced in backward."""
+    """DistributedDataParallel: a full replica per rank, gradients all-reduced in backward;
+    under `--strategy zero` the optimizer state sharded too (`parallel.zero`)."""
 
     name = "ddp"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.zero = ZeroOptimizer(self.ctx) if self.config.strategy == "zero" else None
+        self.name = "zero" if self.zero else "ddp"
         self._ready: ReadyOrder | None = None
         # --ep: each rank's experts differ (their flags too), and every forward exchanges
         # tokens with every rank, so all ranks run as many
@@ -59,10 +65,11 @@ class DDP(Strategy):
         self._replicas: Any = None  # --ep: the group holding the same experts, if several
 
     def _spread_experts(self, module: nn.Module) -> None:
-        """`--ep`: each rank keeps its experts (`parallel.ep`). An expert's gradient arrives
-        summed over its group's tokens: divided by every data-parallel rank here, as DDP
-        averages the rest, and summed over the groups in `finish_gradients`."""
-        mesh = expert_parallel(module, self.ctx, self.config.ep)
+        """`--ep`: each rank keeps its experts (spread by the `parallel.ep` pass). An
+        expert's gradient arrives summed over its group's tokens: divided by every
+        data-parallel rank here, as DDP averages the rest, and summed over the groups in
+        `finish_gradients`."""
+        mesh = ep_mesh(self.ctx, self.config.ep)
         experts = expert_params(module)
         world = self.ctx.data_world
         for p in experts.values():
@@ -91,6 +98,49 @@ class DDP(Strategy):
             self._ready = ReadyOrder(model, module)
         return model
 
+    # ------------------------------------------------------------------ optimizer
+    def build_optimizer(
+        self, module: nn.Module, spec: OptimizerSpec, groups: list[dict[str, Any]] | None = None
+    ) -> torch.optim.Optimizer:
+        if self.zero:
+            return self.zero.build_optimizer(module, spec, groups)
+        return super().build_optimizer(module, spec, groups)
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return self.zero.adopt_optimizer(optimizer) if self.zero else optimizer
+
+    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return self.zero.local_optimizer(optimizer) if self.zero else optimizer
+
+    def full_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[State, State]:
+        if self.zero:
+            return self.zero.full_state(module, optimizer)
+        return super().full_state(module, optimizer)
+
+    def sharded_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[State, State]:
+        if self.zero:
+            return self.zero.sharded_state(module, optimizer)
+        return super().sharded_state(module, optimizer)
+
+    def load_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, model: State, optim: State,
+        full: bool,
+    ) -> None:
+        if self.zero:
+            return self.zero.load_state(module, optimizer, model, optim, full)
+        return super().load_state(module, optimizer, model, optim, full)
+
+    def rank_bytes(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        figures = super().rank_bytes(module, optimizer)
+        if self.zero:
+            figures["optimizer"] = self.zero.state_bytes(optimizer)
+        return figures
+
+    # ------------------------------------------------------------------ state
     def model_state(self, module: nn.Module) -> State:
         state = super().model_state(module)
         if not self.experts_apart:

@@ -8,9 +8,10 @@ ranks (`ddptrain.models.moe`).
     torchrun --nproc_per_node=2 -m ddptrain train --dataset mymod:tokens \\
         --model hf:models/tiny-mixtral --ep 2                    # a Mixtral, a Qwen3-MoE
 
-The pass runs on the bare module before the strategy wraps it, and borrows the
-data-parallel ranks, as torchtitan does: they are laid out as `dp_mod_ep x ep` (an
-expert group is `ep` ranks next to each other, inside a node where `ep` divides it).
+The pass runs on the bare module before the strategy wraps it (`parallel.parallelize`),
+and borrows the data-parallel ranks, as torchtitan does: the job's mesh lays them out as
+`dp_mod_ep x ep` (`parallel.mesh.ep_mesh`: an expert group is `ep` ranks next to each
+other, inside a node where `ep` divides it).
 Each layer's batched expert weights become DTensors sharded by expert (dimension 0) on
 the `ep` dimension, each rank keeping the rows of its E-th of the experts, and the layer
 sends each token's rows to the rank of its expert and back with an all-to-all. So an
@@ -30,14 +31,11 @@ import logging
 from typing import Any
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.mesh import tp_mesh
-
-DIMS = ("dp_mod_ep", "ep")
+from ddptrain.parallel.mesh import ep_mesh
 
 
 def expert_layers(module: nn.Module) -> list[tuple[str, Any]]:
@@ -47,14 +45,9 @@ def expert_layers(module: nn.Module) -> list[tuple[str, Any]]:
     return [(n, m) for n, m in module.named_modules() if hasattr(m, "expert_weights")]
 
 
-def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> DeviceMesh:
-    """Spread `module`'s experts over `ep` ranks, in place (see the module's docstring);
-    returns the mesh of the data-parallel ranks the experts live on (`DIMS`, then `tp`
-    under tensor parallelism: the tp ranks of a group hold the same experts)."""
-    if ctx.data_world % ep:
-        raise ConfigError(f"--ep {ep} does not divide the {ctx.data_world} data-parallel "
-                          f"ranks: an expert group is {ep} of them; choose --ep among the "
-                          f"divisors of {ctx.data_world}")
+def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> None:
+    """Spread `module`'s experts over `ep` ranks, in place (see the module's docstring).
+    Under tensor parallelism the tp ranks of a group hold the same experts."""
     # what `models.hf_moe` found but does not compute: named, not spread wrongly
     odd = sorted({str(m.no_expert_parallel) for m in module.modules()
                   if hasattr(m, "no_expert_parallel")})
@@ -68,13 +61,7 @@ def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> Devi
         raise ConfigError(f"--ep {ep} needs a mixture of experts: --model gpt --model_args "
                           "experts=E top_k=K, or a Hugging Face one whose experts are "
                           "batched weights (hf:DIR of a Mixtral, a Qwen3-MoE)")
-    # under --tp each tp rank of a group holds the same experts and sees the same tokens
-    tp = tp_mesh(ctx)
-    shape: tuple[int, ...] = (ctx.data_world // ep, ep)
-    names: tuple[str, ...] = DIMS
-    if tp is not None:
-        shape, names = (*shape, tp.size()), (*DIMS, "tp")
-    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+    mesh = ep_mesh(ctx, ep)
     # torch advises, on every rank, to flatten the mesh when a 2-D DTensor is made whole
     # in two collectives: here a gradient norm (a scalar) and an export's gather, both
     # as they must be
@@ -91,7 +78,6 @@ def expert_parallel(module: nn.Module, ctx: DistributedContext, ep: int) -> Devi
                                       src_data_rank=None)
             setattr(layer, leaf, nn.Parameter(shard, requires_grad=whole.requires_grad))
         layer.ep_group = mesh["ep"].get_group()
-    return mesh
 
 
 def _two_step_gathers(record: logging.LogRecord) -> bool:

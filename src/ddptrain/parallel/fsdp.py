@@ -1,10 +1,15 @@
 """`--strategy fsdp`: FSDP2 (`fully_shard`), parameters, gradients and optimizer state
 sharded over the ranks (ZeRO-3), and the choice of the blocks it shards one by one.
+
+The same strategy runs a model that tensor parallelism split (`--tp`, split by the
+`parallel.tp` pass first): FSDP x TP, HSDP x TP, and TP alone, where no data-parallel
+rank is left to shard over and nothing is wrapped.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -22,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
+from ddptrain.layout import Layout
 from ddptrain.parallel.base import (
     FILLED_BY_BUILDER,
     FULL_STATE,
@@ -33,9 +39,10 @@ from ddptrain.parallel.base import (
     clip_by_layout,
     count_parameters,
     init_optimizer_state,
+    tensors_by_identity,
 )
-from ddptrain.parallel.ep import expert_layers, expert_parallel
-from ddptrain.parallel.mesh import fsdp_mesh
+from ddptrain.parallel.ep import expert_layers
+from ddptrain.parallel.mesh import ep_mesh, fsdp_mesh
 
 log = logging.getLogger("ddptrain")
 
@@ -54,27 +61,37 @@ class FSDP(Strategy):
     model marked `FILLED_BY_BUILDER` (a Hugging Face directory) has no template: each rank
     reads its own shards from the files after `setup_module`. A model handed over already
     built (`fit(model=instance)`) cannot be rebuilt on meta: it
-    is moved to the device whole and sharded there."""
+    is moved to the device whole and sharded there.
+
+    A model split by tensor parallelism starts the same way: built on the meta device,
+    split (by the `parallel.tp` pass) and sharded, then allocated and filled. When tp
+    takes every rank there is nothing to shard: no FSDP (its hooks would run in every
+    step for nothing); the split parameters are DTensors on the tp mesh and the whole
+    ones (norms, embeddings) plain tensors, equal on every tp rank."""
 
     flags_differ = True  # each rank checks its own shards of the gradients
 
-    name = "fsdp"
     even_forwards = True  # every forward all-gathers: ranks must call it alike
     _full_load = StateDictOptions(full_state_dict=True)  # each rank keeps its shard of it
     _from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
     @property
     def shards_data(self) -> bool:
-        """Whether the mesh has data-parallel ranks to shard over. `--strategy fsdp`
-        shards whatever their number; the layouts built on it (tp, pp) wrap nothing in
-        FSDP without them, whose hooks would run in every step for nothing."""
-        return self.ctx.data_world > 1
+        """Whether there are data-parallel ranks to shard over. `--strategy fsdp` shards
+        whatever their number; a model split by tp or pp wraps nothing in FSDP without
+        them, whose hooks would run in every step for nothing."""
+        return self.ctx.data_world > 1 or self.layout.plain
 
     def __init__(
         self, ctx: DistributedContext, config: TrainingConfig,
         param_dtype: torch.dtype | None = None,
+        units: Callable[[nn.Module], list[nn.Module]] | None = None,
     ) -> None:
         super().__init__(ctx, config, param_dtype)
+        self.layout = Layout.of(config, ctx.world_size)
+        self.name = "tp" if self.layout.tp > 1 else "fsdp"
+        # the modules sharded one by one before the root (default: `fsdp_blocks`)
+        self._units = units or (lambda module: fsdp_blocks(module, config.fsdp_wrap))
         self._on_meta = False  # was the module built on the meta device?
         self._template: nn.Module | None = None  # rank 0's seeded copy, in host memory
         self._blocks: list[nn.Module] = []
@@ -102,6 +119,15 @@ class FSDP(Strategy):
         return module
 
     def setup_module(self, module: nn.Module) -> nn.Module:
+        blocks = self._units(module)
+        self._root, self._blocks = module, blocks
+        if not self.shards_data:  # tp (or pp) takes every rank: nothing to shard
+            if self._on_meta:
+                ties = [names for names, t in tensors_by_identity(module)
+                        if len(names) > 1 and isinstance(t, nn.Parameter)]
+                self._materialise(module)
+                retie(module, ties)
+            return module
         kwargs: dict[str, Any] = {"reshard_after_forward": self.config.reshard_after_forward}
         mesh = fsdp_mesh(self.ctx)
         if mesh is not None:
@@ -119,36 +145,30 @@ class FSDP(Strategy):
             kwargs["offload_policy"] = CPUOffloadPolicy()
         if self.config.ep > 1:
             self._shard_experts(module, kwargs)
-        blocks = self._units(module)
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(module, **kwargs)
         if self._on_meta:
             self._materialise(module)
         log.debug("fsdp: %d blocks sharded, plus the root", len(blocks))
-        self._root, self._blocks = module, blocks
         return module
 
     def _shard_experts(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
-        """`--ep`: each layer's experts spread over their group (`parallel.ep`), then
-        sharded over the ranks that hold the same ones (`dp_mod_ep`), in a unit of their
-        own: the layer's other modules (the router) get theirs, on every rank. Each
+        """`--ep`: each layer's experts (spread over their group by the `parallel.ep`
+        pass) sharded over the ranks that hold the same ones (`dp_mod_ep`), in a unit of
+        their own: the layer's other modules (the router) get theirs, on every rank. Each
         expert's gradient arrives summed over its group's tokens; the reduce-scatter
         sums it over `dp_mod_ep` and divides by every data-parallel rank."""
-        mesh = expert_parallel(module, self.ctx, self.config.ep)
+        replicas = ep_mesh(self.ctx, self.config.ep)["dp_mod_ep"]
         for _, layer in expert_layers(module):
             for child in layer.children():
                 if count_parameters(child):
                     fully_shard(child, **kwargs)
-            unit = fully_shard(layer, **{**kwargs, "mesh": mesh["dp_mod_ep"]})
+            unit = fully_shard(layer, **{**kwargs, "mesh": replicas})
             unit.set_gradient_divide_factor(float(self.ctx.data_world))
             # gloo has no pre-scaled sum: a sum, then the division. Not for a lone holder,
             # whose gradient torch 2.13 would divide twice that way.
-            unit.set_force_sum_reduction_for_comms(mesh["dp_mod_ep"].size() > 1)
-
-    def _units(self, module: nn.Module) -> list[nn.Module]:
-        """The modules sharded one by one before the root (see `fsdp_blocks`)."""
-        return fsdp_blocks(module, self.config.fsdp_wrap)
+            unit.set_force_sum_reduction_for_comms(replicas.size() > 1)
 
     @torch.no_grad()
     def _materialise(self, module: nn.Module) -> None:
@@ -185,11 +205,14 @@ class FSDP(Strategy):
         return model
 
     def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
-        self._root.set_requires_gradient_sync(not skip)  # type: ignore[operator]
+        if self.shards_data:
+            self._root.set_requires_gradient_sync(not skip)  # type: ignore[operator]
         return NO_CONTEXT
 
     def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        if self.config.ep > 1:  # the experts' gradients lie on a mesh of their own
+        if self.layout.tp > 1 or self.config.ep > 1:
+            # tp's DTensors and the plain (or fsdp-sharded) rest; the experts' gradients
+            # lie on a mesh of their own
             return clip_by_layout(by_layout(params), max_norm, self.ctx.device)
         # Each rank holds a shard of every gradient: the norm of the sharded gradients
         # is a DTensor whose full value is the global norm.

@@ -6,6 +6,9 @@
 before any process group starts (one `ConfigError` line each); `attach_mesh` builds the
 `DeviceMesh` once the group is up and gives it to the run's `DistributedContext`, with this
 rank's data-parallel coordinates, which the data, the loss scale and the metric sums use.
+It is the job's one mesh: every other group is one of its submeshes (`fsdp_mesh`,
+`tp_mesh`, `pp_mesh`), or made from them (`ep_mesh`: the data-parallel ranks flattened,
+then cut into expert groups).
 
 The dimensions run from the outermost to the innermost, and ranks next to each other in
 the innermost dimension are neighbours in the launcher's numbering (torchrun and Slurm
@@ -28,12 +31,16 @@ import logging
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ddptrain.config import TrainingConfig
+from ddptrain.config_sections import ParallelSection
 from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
 from ddptrain.layout import MESH_DIMS as DIMS
 from ddptrain.layout import Layout
 
 log = logging.getLogger("ddptrain")
+EP_DIMS = ("dp_mod_ep", "ep")  # `ep_mesh`'s dimensions
+# (the job's mesh, its expert groups) by the mesh's id and ep: made once
+_EP_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh]] = {}
 
 
 def plan_mesh(
@@ -62,6 +69,12 @@ def plan_mesh(
             "choose degrees whose product divides the world size"
         )
     layout = Layout.of(config, world_size)
+    if layout.data_parallel % layout.ep:
+        raise ConfigError(
+            f"--ep {layout.ep} does not divide the {layout.data_parallel} data-parallel ranks "
+            f"of {world_size}: an expert group is {layout.ep} of them; choose --ep among the "
+            f"divisors of {layout.data_parallel}, or a world size it divides"
+        )
     _check_pipeline(config)
     if r > 1 and config.strategy != "fsdp":
         raise ConfigError(
@@ -120,7 +133,7 @@ def _check_pipeline(config: TrainingConfig) -> None:
         )
 
 
-def pipeline_microbatches(config: TrainingConfig) -> int:
+def pipeline_microbatches(config: ParallelSection) -> int:
     """The micro-batches a batch is cut into under --pp (default: one per stage)."""
     return config.pp_microbatches or config.pp
 
@@ -134,12 +147,25 @@ def attach_mesh(ctx: DistributedContext, layout: Layout | None) -> DistributedCo
     """`ctx` with the mesh of `layout` (the strategy's, planned once by `plan_mesh`) and
     this rank's data-parallel coordinates; `ctx` itself for data parallelism alone (None).
     Collective under an n-D layout."""
-    if not ctx.distributed or ctx.mesh is not None or layout is None or layout.plain:
+    if not ctx.distributed or ctx.mesh is not None or layout is None or not layout.needs_mesh:
         return ctx
     mesh = build_mesh(layout, ctx.device.type)
     replica, shard = mesh.get_local_rank("dp_replicate"), mesh.get_local_rank("dp_shard")
     data = (replica * layout.dp_shard + shard, layout.data_parallel)
     return dataclasses.replace(ctx, mesh=mesh, data_parallel=data)
+
+
+def ep_mesh(ctx: DistributedContext, ep: int) -> DeviceMesh:
+    """The data-parallel ranks laid out as `dp_mod_ep x ep` (`parallel.ep`): an expert
+    group is `ep` data-parallel ranks next to each other; `dp_mod_ep` the ranks that hold
+    the same experts. Made from the job's mesh once, then reused."""
+    assert ctx.mesh is not None, "expert parallelism runs on the job's mesh"
+    found = _EP_MESHES.get((id(ctx.mesh), ep))
+    if found is None or found[0] is not ctx.mesh:
+        dp = ctx.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        found = (ctx.mesh, dp._unflatten(0, (dp.size() // ep, ep), EP_DIMS))
+        _EP_MESHES[(id(ctx.mesh), ep)] = found
+    return found[1]
 
 
 def fsdp_mesh(ctx: DistributedContext) -> DeviceMesh | None:

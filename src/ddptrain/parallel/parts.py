@@ -157,16 +157,3 @@ def _uses(module: nn.Module) -> dict[nn.Parameter, int]:
         for p in sub.parameters(recurse=False):
             uses[p] = uses.get(p, 0) + 1
     return uses
-
-
-def prepare_module(module: nn.Module, patterns: list[str], recompute: str,
-                   wrap: str | None, float8: str = "off", fsdp: bool = False) -> int:
-    """The passes on the bare module, before the strategy wraps or shards it: `--freeze`,
-    `--float8` (its linears swapped), `--activation_checkpointing` (off, block, selective);
-    returns the element count that does not train (--freeze's, a LoRA run's model)."""
-    freeze(module, patterns)
-    if float8 != "off":
-        to_float8(module, float8, fsdp)
-    if recompute != "off":
-        checkpoint_activations(module, wrap, recompute)
-    return sum(p.numel() for p in module.parameters() if not p.requires_grad)

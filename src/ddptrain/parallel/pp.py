@@ -44,7 +44,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
@@ -52,26 +56,31 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleaved1F1B,
 )
 
+from ddptrain.config import TrainingConfig
+from ddptrain.context import DistributedContext
 from ddptrain.data.batch import Output, parse_output
 from ddptrain.errors import ConfigError
 from ddptrain.parallel.base import (
     FILLED_BY_BUILDER,
+    FULL_STATE,
     NO_CONTEXT,
     Autocast,
     BatchLoss,
+    ModelBuilder,
     State,
+    Strategy,
     by_layout,
     copy_whole,
+    init_optimizer_state,
     local_tensor,
     named_tensors,
     squared_norm,
     tensors_by_identity,
     to_cpu,
 )
-from ddptrain.parallel.fsdp import FSDP
-from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh, tp_mesh
+from ddptrain.parallel.fsdp import FSDP, fsdp_blocks
+from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh
 from ddptrain.parallel.pp_hf import HFDecoderStage, check_hf_stages, is_hf_decoder
-from ddptrain.parallel.tp import tensor_parallel
 from ddptrain.parallel.tp_hf import read_hf_config
 from ddptrain.plugins import load_ref
 
@@ -82,11 +91,11 @@ SCHEDULES = {
 _GATHERED = StateDictOptions(full_state_dict=True)  # each stage's tensors whole on its ranks
 
 
-class Pipeline(FSDP):
+class Pipeline(Strategy):
     """Pipeline stages over the mesh's `pp` dimension, each stage sharded by FSDP over the
-    data-parallel dimensions; without data-parallel ranks there is nothing to shard, and a
-    stage's parameters stay as they are, plain tensors or tp's DTensors (no FSDP hook runs
-    in its steps).
+    data-parallel dimensions (`self.shards`, an `FSDP` of its own); without data-parallel
+    ranks there is nothing to shard, and a stage's parameters stay as they are, plain
+    tensors or tp's DTensors (no FSDP hook runs in its steps).
 
     Start-up is fsdp's where the model allows it: built on the meta device, cut into
     stages, each rank's stages sharded, and only then allocated and filled from rank 0's
@@ -94,13 +103,25 @@ class Pipeline(FSDP):
     and the weights are those of a whole-model start."""
 
     name = "pp"
+    flags_differ = True  # each rank checks the gradients of its own stages
+    even_forwards = True
+    _full_load = StateDictOptions(full_state_dict=True)  # each rank keeps its stages' part
+
+    def __init__(
+        self, ctx: DistributedContext, config: TrainingConfig,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(ctx, config, param_dtype)
+        # Autocast alone sets the compute precision, as in plain training: FSDP keeps its
+        # gathered parameters in fp32 (a stage's micro-batches then round as one batch).
+        self.shards = FSDP(ctx, config, None, units=self._units)
+
+    def build_module(self, build: ModelBuilder) -> nn.Module:
+        return self.shards.build_module(build)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         mesh = pp_mesh(self.ctx)
         assert mesh is not None, "Pipeline runs on a mesh with a pp dimension"
-        split_layers = tp_mesh(self.ctx) is not None
-        if split_layers:  # the layers first, the whole model (on meta: nothing allocated)
-            tensor_parallel(module, self.config, self.ctx)
         p, rank = mesh.size(), mesh.get_local_rank()
         per_rank = 2 if self.config.pp_schedule == "interleaved1f1b" else 1
         stages = p * per_rank
@@ -114,17 +135,11 @@ class Pipeline(FSDP):
         whole = tensors_by_identity(module)  # on meta: what the template will fill
         self._ties = [names for names, _ in whole if len(names) > 1]  # for `model_state`
         _keep_only(module, views)
-        # Autocast alone sets the compute precision, as in plain training: FSDP keeps its
-        # gathered parameters in fp32 (a stage's micro-batches then round as one batch).
-        self.param_dtype = None
         self._canonical = {
             name: first[id(p)] for name, p in module.named_parameters() if first[id(p)] != name
         }
-        on_meta, self._on_meta = self._on_meta, False  # filled below, stage by stage
-        if self.shards_data:
-            self.views = [FSDP.setup_module(self, view) for view in views]
-        else:
-            self.views = views
+        on_meta, self.shards._on_meta = self.shards._on_meta, False  # filled below
+        self.views = [self.shards.setup_module(view) for view in views]
         if on_meta:
             self._fill(module, whole)
         group = mesh.get_group()
@@ -164,7 +179,7 @@ class Pipeline(FSDP):
         blocks = getattr(module, "blocks", None)
         if isinstance(blocks, nn.ModuleList) and not self.config.fsdp_wrap:
             return list(blocks)
-        return super()._units(module)
+        return fsdp_blocks(module, self.config.fsdp_wrap)
 
     @torch.no_grad()
     def _fill(self, module: nn.Module, whole: list[tuple[list[str], torch.Tensor]]) -> None:
@@ -175,7 +190,7 @@ class Pipeline(FSDP):
             view.to_empty(device=self.ctx.device)
         if getattr(module, FILLED_BY_BUILDER, False):
             return
-        template, self._template = self._template, None
+        template, self.shards._template = self.shards._template, None
         source = named_tensors(template) if template is not None else {}
         held = named_tensors(module)
         for names, meta in whole:
@@ -285,10 +300,17 @@ class Pipeline(FSDP):
         return total
 
     # ------------------------------------------------------------------ state
+    def full_state(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[State, State]:
+        init_optimizer_state(optimizer)
+        optim = get_optimizer_state_dict(module, optimizer, options=FULL_STATE)
+        return self.model_state(module), optim
+
     def sharded_state(
         self, module: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[State, State]:
-        model, optim = super().sharded_state(module, optimizer)
+        model, optim = super().sharded_state(module, optimizer)  # no buffer shared: stages
         return model, _renamed(optim, self._canonical)
 
     def load_state(

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ddptrain.checkpoint_kind import CheckpointKind, checkpoint_kind
 from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
@@ -23,15 +24,15 @@ from ddptrain.parallel.fsdp import FSDP
 from ddptrain.parallel.memory import device_memory, implied_bytes, largest_models
 from ddptrain.parallel.mesh import plan_mesh
 from ddptrain.parallel.pp import Pipeline, check_stages
-from ddptrain.parallel.tp import TensorParallel, check_gpt_split
+from ddptrain.parallel.tp import check_gpt_split
 from ddptrain.parallel.tp_hf import check_hf_dir, read_hf_config
-from ddptrain.parallel.zero import Zero
 
-STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "zero": Zero, "fsdp": FSDP}
+# zero is DDP with its optimizer state sharded (`parallel.zero`); a model split by tp is
+# fsdp's to shard, or to leave as it is where tp takes every rank; pp cuts it into stages
+STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "zero": DDP, "fsdp": FSDP}
 SINGLE = "single process"
 # Above this much model + optimizer state, `--checkpoint_format auto` has every ddp rank
 # write a part (DCP) instead of rank 0 writing the whole state while the others wait.
-DCP_ABOVE_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,11 @@ class StrategyChoice:
 
     name: str
     world_size: int
-    checkpoint_kind: str
+    checkpoint_kind: CheckpointKind  # from the flags and the world size
     cls: type[Strategy]
     device_bytes: int | None = None  # the memory of one rank's device (None: unknown)
-    auto_format: bool = False  # --checkpoint_format auto: the kind may follow the size
     layout: Layout | None = None  # the degrees of each way of parallelism (None: 1 rank)
+    config: TrainingConfig | None = None  # the run's (None: the kind is the one given)
 
     def rank_bytes(self, parameters: int, slots: int, trained: int | None = None,
                    freed: int = 0, experts: int = 0) -> dict[str, int]:
@@ -75,14 +76,12 @@ class StrategyChoice:
         dp_shard 2`, `tp 2`, `ddp; ep 2 over dp`."""
         return self.name if self.layout is None else self.layout.name(self.name)
 
-    def checkpoint_kind_for(self, parameters: int, slots: int) -> str:
-        """The checkpoint kind for a model of `parameters`: `--checkpoint_format auto`
-        under ddp turns to dcp once the state passes `DCP_ABOVE_BYTES`, so that every
-        rank writes a part of it in parallel (replicated tensors are written once)."""
-        auto_file = self.checkpoint_kind == "file" and self.auto_format
-        if auto_file and self.world_size > 1 and 4 * parameters * (1 + slots) > DCP_ABOVE_BYTES:
-            return "dcp"
-        return self.checkpoint_kind
+    def checkpoint_kind_for(self, parameters: int, slots: int) -> CheckpointKind:
+        """The checkpoint kind for a model of `parameters` (`ddptrain.checkpoint_kind`:
+        `--checkpoint_format auto` under ddp turns to dcp past a size)."""
+        if self.config is None:
+            return CheckpointKind(self.checkpoint_kind)
+        return checkpoint_kind(self.config, self.world_size, parameters, slots)
 
     def largest_models(self, slots: int) -> dict[str, int] | None:
         """The most parameters ddp, zero and fsdp each fit on one device of this run."""
@@ -135,24 +134,21 @@ def resolve_strategy(
             )
     layout = plan_mesh(config, world_size, local_ranks)
     memory = device_memory(device, world_size if local_ranks is None else local_ranks)
-    auto = config.checkpoint_format == "auto"
+    kind = checkpoint_kind(config, world_size)
     if world_size == 1:
-        return StrategyChoice(SINGLE, 1, config.checkpoint_kind, Strategy, memory, auto)
+        return StrategyChoice(SINGLE, 1, kind, Strategy, memory, config=config)
     if layout.plain:
-        return StrategyChoice(
-            config.strategy, world_size, config.checkpoint_kind, STRATEGIES[config.strategy],
-            memory, auto, layout,
-        )
+        return StrategyChoice(config.strategy, world_size, kind, STRATEGIES[config.strategy],
+                              memory, layout, config)
     # An n-D layout shards parameters into DTensors: its checkpoints are DCP directories.
-    cls = Pipeline if layout.pp > 1 else TensorParallel if layout.tp > 1 else FSDP
-    kind = config.checkpoint_kind
-    if layout.pp > 1 and kind == "file":
+    cls = Pipeline if layout.pp > 1 else FSDP
+    if layout.pp > 1 and kind is CheckpointKind.FILE:
         raise ConfigError(
             f"--checkpoint_format file under --pp {layout.pp}: no rank holds the whole "
             "model, so each writes its stage into a DCP directory; use --checkpoint_format "
             "dcp (or auto)"
         )
-    return StrategyChoice(config.strategy, world_size, kind, cls, memory, False, layout)
+    return StrategyChoice(config.strategy, world_size, kind, cls, memory, layout, config)
 
 
 def _refuse(flag: str, value: object, strategy: str) -> None:

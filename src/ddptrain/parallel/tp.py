@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -43,11 +42,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ddptrain.config import TrainingConfig
+from ddptrain.config_sections import ParallelSection
 from ddptrain.context import DistributedContext
 from ddptrain.errors import ConfigError
-from ddptrain.parallel.base import NO_CONTEXT, by_layout, clip_by_layout, tensors_by_identity
-from ddptrain.parallel.fsdp import FSDP, retie
 from ddptrain.parallel.lora import tp_plan_with_adapters
 from ddptrain.parallel.mesh import tp_mesh
 from ddptrain.parallel.tp_hf import hf_tp_plan
@@ -57,41 +54,11 @@ log = logging.getLogger("ddptrain")
 TPPlan = Callable[[nn.Module, DeviceMesh], Any]
 
 
-class TensorParallel(FSDP):
-    """Tensor parallelism over the mesh's `tp` dimension, then FSDP over its data-parallel
-    dimensions. When tp takes every rank there is nothing to shard: no FSDP (its hooks
-    would run in every step for nothing), the split parameters are DTensors on the tp
-    mesh and the whole ones (norms, embeddings) plain tensors, equal on every tp rank.
-
-    Start-up is fsdp's (`FSDP.build_module`): the model is built on the meta device, split
-    by the plan (and sharded), and each rank then allocates only its own slices and
-    fills them from rank 0's seeded template in host memory, so no rank's device ever
-    holds the whole model and the weights are those of a whole-model start."""
-
-    name = "tp"
-
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        tensor_parallel(module, self.config, self.ctx)
-        if self.shards_data:
-            return super().setup_module(module)
-        if self._on_meta:
-            ties = [names for names, t in tensors_by_identity(module)
-                    if len(names) > 1 and isinstance(t, nn.Parameter)]
-            self._materialise(module)
-            retie(module, ties)
-        self._root, self._blocks = module, self._units(module)
-        return module
-
-    def no_backward_sync(self, model: nn.Module, skip: bool) -> AbstractContextManager[Any]:
-        return super().no_backward_sync(model, skip) if self.shards_data else NO_CONTEXT
-
-    def clip_grad_norm(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-        return clip_by_layout(by_layout(params), max_norm, self.ctx.device)
-
-
-def tensor_parallel(module: nn.Module, config: TrainingConfig, ctx: DistributedContext) -> None:
-    """The tensor-parallel pass: `module` (on the meta device, or whole) split in place over
-    the mesh's tp dimension by its plan (`tensor_parallel_plan`)."""
+def tensor_parallel(module: nn.Module, config: ParallelSection, ctx: DistributedContext) -> None:
+    """The tensor-parallel pass (`parallel.parallelize`): `module` (on the meta device, or
+    whole) split in place over the mesh's tp dimension by its plan
+    (`tensor_parallel_plan`); the strategy (`parallel.fsdp`) then shards it over the
+    data-parallel ranks, or leaves it as it is where tp takes every rank."""
     mesh = tp_mesh(ctx)
     assert mesh is not None, "tensor parallelism runs on a mesh with a tp dimension"
     plan = tensor_parallel_plan(module, config)
@@ -107,7 +74,7 @@ def tensor_parallel(module: nn.Module, config: TrainingConfig, ctx: DistributedC
     plan(module, mesh)
 
 
-def tensor_parallel_plan(module: nn.Module, config: TrainingConfig) -> TPPlan:
+def tensor_parallel_plan(module: nn.Module, config: ParallelSection) -> TPPlan:
     """`--tp_plan` when given, the built-in GPT's plan for the built-in GPT, a Hugging
     Face model's (`tp_hf`) for GPT-2 and Llama-style models; any other model without a
     plan is a ConfigError."""

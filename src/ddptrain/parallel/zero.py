@@ -1,4 +1,5 @@
-"""`--strategy zero`: ZeRO stage 1, the optimizer state sharded over the ranks.
+"""`--strategy zero`: ZeRO stage 1, the optimizer state sharded over the ranks: DDP's
+replicas and all-reduce (`parallel.ddp`), with the optimizer this file builds.
 
 Each rank steps the parameters it owns (`ZeroRedundancyOptimizer`, its local optimizer
 fused where torch has it, so a non-finite step is skipped on the device) and broadcasts
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddptrain.context import DistributedContext
 from ddptrain.parallel.base import (
     OptimizerSpec,
     State,
@@ -24,14 +26,15 @@ from ddptrain.parallel.base import (
     state_bytes,
     to_cpu,
 )
-from ddptrain.parallel.ddp import DDP
 
 
-class Zero(DDP):
-    """DDP with the optimizer state sharded: each rank steps the parameters it owns and
-    broadcasts them (ZeroRedundancyOptimizer, ZeRO stage 1)."""
+class ZeroOptimizer:
+    """The optimizer state sharded: each rank steps the parameters it owns and broadcasts
+    them (ZeroRedundancyOptimizer, ZeRO stage 1). DDP holds one under `--strategy zero`
+    and hands it the optimizer and its state; the rest of the run is DDP's."""
 
-    name = "zero"
+    def __init__(self, ctx: DistributedContext) -> None:
+        self.ctx = ctx
 
     def build_optimizer(
         self, module: nn.Module, spec: OptimizerSpec, groups: list[dict[str, Any]] | None = None
@@ -46,7 +49,8 @@ class Zero(DDP):
             **{**fused_where_it_can(cls, groups, kwargs), **kwargs},
         )
 
-    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    @staticmethod
+    def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer.optim  # type: ignore[attr-defined]
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -112,7 +116,6 @@ class Zero(DDP):
             for group in groups:
                 group.update(hyperparameters(saved_group))
 
-    def rank_bytes(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        figures = super().rank_bytes(module, optimizer)
-        figures["optimizer"] = state_bytes(optimizer.optim.state)  # type: ignore[attr-defined]
-        return figures
+    @staticmethod
+    def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+        return state_bytes(optimizer.optim.state)  # type: ignore[attr-defined]

@@ -33,7 +33,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddptrain.checkpoint import load_checkpoint
-from ddptrain.checkpoint.dcp import follow_pointer, is_whole
+from ddptrain.checkpoint.dcp import follow_pointer
+from ddptrain.checkpoint.kind import resolve_checkpoint
 from ddptrain.config import TrainingConfig
 from ddptrain.config_cli import build_parser, config_file_fields, load_yaml
 from ddptrain.context import DistributedContext
@@ -91,7 +92,7 @@ def _stored(path: Path) -> Source:
     directory's weights most often are (its export), or `path` as given."""
     if path.exists():
         target = follow_pointer(path)
-        if target.is_dir() and not is_whole(target) and (target / "config.yaml").is_file():
+        if resolve_checkpoint(target).run_dir:
             export = target / "model.safetensors"
             return Source(load_yaml(str(target / "config.yaml")),
                           export if export.is_file() else path)

@@ -35,8 +35,9 @@ from ddptrain.checkpoint import (
     read_safetensors_state,
 )
 from ddptrain.checkpoint.common import check_model_state
-from ddptrain.checkpoint.dcp import follow_pointer, is_whole
+from ddptrain.checkpoint.dcp import follow_pointer
 from ddptrain.checkpoint.finished import exports_current
+from ddptrain.checkpoint.kind import resolve_checkpoint
 from ddptrain.config import TrainingConfig
 from ddptrain.config_cli import build_parser, config_file_fields, load_yaml
 from ddptrain.config_values import ARGS_FIELDS, CODE_FIELDS, OBJECT_FIELDS, code_args, names_code
@@ -82,7 +83,8 @@ def find_source(path: Path) -> Source:
             "DCP step directory) or a model.safetensors beside its config.yaml"
         )
     path = follow_pointer(path)
-    if path.is_dir() and not is_whole(path):
+    found = resolve_checkpoint(path)
+    if found.directory and not found.whole:
         return _run_dir(path)
     if path.suffix == ".safetensors":
         config_file = path.parent / "config.yaml"

@@ -140,7 +140,7 @@ def make_plan(
 def as_trained(model: nn.Module, config: TrainingConfig) -> tuple[nn.Module, int | None, int]:
     """`model` as the run trains it, on a meta-device copy (a model of any size, the given
     one left as it is): `--lora_rank`'s adapters added, the rest and `--freeze`'s
-    parameters frozen, as the trainer makes it (`adapt`, `prepare_module`); with the
+    parameters frozen, as the trainer makes it (`adapt`, `parallel.parallelize`); with the
     parameters that do not train and the bytes `--lora_quantize`'s 4-bit base saves, for
     a plan made before any trainer (the dry run's): gradients and optimizer state of the
     trained parameters alone."""

@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from ddptrain.checkpoint.common import CheckpointError, DamagedCheckpoint
 from ddptrain.checkpoint.dcp import BEST_DIR
+from ddptrain.checkpoint.kind import CheckpointKind, resolve_checkpoint
 from ddptrain.checkpoint.manager import EMA_FILE_KEY, skipping
 from ddptrain.checkpoint.pt import BEST
 from ddptrain.checkpoint.rng import set_rng_state
@@ -102,7 +103,8 @@ def take_best(trainer: Trainer) -> str | None:
 def _load_weights(trainer: Trainer, path: Path, payload: dict[str, Any]) -> None:
     """A located checkpoint's weights, optimizer state and EMA weights into `trainer`."""
     ema = trainer.ema
-    sharded_ema = ema.state() if ema is not None and path.is_dir() and payload.get("ema") else None
+    sharded = resolve_checkpoint(path).kind is CheckpointKind.DCP
+    sharded_ema = ema.state() if ema is not None and sharded and payload.get("ema") else None
     trainer.checkpoints.load(path, payload, trainer.module, trainer.optimizer, sharded_ema)
     if ema is not None and sharded_ema is None:
         _restore_ema(ema, payload, str(path))

@@ -1,14 +1,15 @@
 """What a hook may change in a run: stop it after this step, and scale its learning rate.
 
-Every hook gets the trainer; `trainer.steer` is this module's `Steering`:
+Hooks ask through their `RunView` (`ddptrain.observe.hooks`), which forwards to this
+module's `Steering`:
 
     class StopAtStep(ddptrain.Hook):
-        def on_step_end(self, trainer):
-            if trainer.progress.step == 7:
-                trainer.steer.request_stop("enough")       # after this step, on every rank
-        def on_row(self, trainer, row):                       # global figures, every rank
+        def on_step_end(self, run):
+            if run.step == 7:
+                run.request_stop("enough")            # after this step, on every rank
+        def on_row(self, run, row):                     # global figures, every rank
             if row["split"] == "val" and row["loss"] > 1.0:
-                trainer.steer.lr_multiplier = 0.5             # from the next step on
+                run.lr_multiplier = 0.5               # from the next step on
 
 A stop request is made on one rank or several; it rides on the metric all-reduce the
 trainer already makes (about every 2 s, and after each validation), so every rank stops
@@ -30,17 +31,14 @@ stop|rollback`) are such hooks.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
 from ddptrain.context import DistributedContext
-from ddptrain.observe.hooks import Hook
-
-if TYPE_CHECKING:
-    from ddptrain.train.trainer import Trainer
+from ddptrain.observe.hooks import Hook, RunView
 
 log = logging.getLogger("ddptrain")
 
@@ -72,6 +70,11 @@ class Steering:
     @property
     def requested(self) -> bool:
         return self.reason is not None
+
+    @property
+    def lr(self) -> float:
+        """The first parameter group's learning rate now (the rows' `lr`)."""
+        return float(self._optimizer.param_groups[0]["lr"])
 
     def agree(self, ctx: DistributedContext, flags: tuple[bool, bool] | None = None) -> bool:
         """Whether any rank asked to stop; every rank gets the same answer. `flags`: the
@@ -143,17 +146,17 @@ class EarlyStopping(Hook):
         self.best, self.best_epoch = state.get("best"), int(state.get("best_epoch", 0))
         self.waited = int(state.get("waited", 0))
 
-    def on_row(self, trainer: Trainer, row: dict[str, Any]) -> None:
+    def on_row(self, run: RunView, row: dict[str, Any]) -> None:
         if row["split"] != "val":
             return
-        name, mode = trainer.best_key, trainer.best_mode  # --best_metric
+        name, mode = run.best_metric, run.best_mode  # the task's, or --best_metric
         score = row.get(name, float("nan"))
         if self.best is None or _improves(score, self.best, mode, self.min_delta):
             self.best, self.best_epoch, self.waited = score, row["epoch"], 0
             return
         self.waited += 1
         if self.waited >= self.patience:
-            trainer.steer.request_stop(
+            run.request_stop(
                 f"early stopping: val {name} did not improve for {self.waited} epochs "
                 f"(best {self.best:.6g} at epoch {self.best_epoch})",
                 finish=True,
@@ -203,7 +206,7 @@ class LossSpikes(Hook):
         self.losses = [float(x) for x in state.get("losses", [])]
         self.streak = [int(x) for x in state.get("streak", [])]
 
-    def on_row(self, trainer: Trainer, row: dict[str, Any]) -> None:
+    def on_row(self, run: RunView, row: dict[str, Any]) -> None:
         loss = row.get("loss") if row["split"] == "train" else None
         if loss is None or loss != loss:
             return
@@ -222,7 +225,7 @@ class LossSpikes(Hook):
                                        "rollback": "; rolling back (--on_spike rollback)",
                                        }.get(self.on_spike, ""))
             if self.on_spike == "stop":
-                trainer.steer.request_stop(what)
+                run.request_stop(what)
             elif self.on_spike == "rollback":
                 first = max(1, self.streak[0] - self.interval + 1)
                 raise SpikeRollback(first, self.streak[-1], what)

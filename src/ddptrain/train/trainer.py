@@ -58,7 +58,7 @@ from ddptrain.parallel.base import nbytes
 from ddptrain.parallel.lora import LoraSpec, adapt, nf4_freed
 from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.parallel.mesh import attach_mesh
-from ddptrain.parallel.parts import prepare_module
+from ddptrain.parallel.parallelize import compile_pass, parallelize
 from ddptrain.train.ema import EMA
 from ddptrain.train.evaluate import Evaluator, named_figures
 from ddptrain.train.forward import forward_backward
@@ -121,16 +121,14 @@ class Trainer:
         # FLOPs are counted on a meta-device shadow (no data) taken before the module is
         # wrapped or sharded: an FSDP module cannot be copied. Only GPU rows report them.
         self.flops_model = meta_shadow(self.module)
-        # --freeze and --activation_checkpointing act on the bare module, the same for
-        # every strategy (DDP leaves frozen parameters out of its buckets).
-        self.frozen = prepare_module(
-            self.module, config.freeze, config.activation_checkpointing, config.fsdp_wrap,
-            self.precision.float8, self.choice.name == "fsdp",
-        )
         self.parameter_count = sum(p.numel() for p in self.module.parameters())  # before pp
-        # Wrapped (or sharded in place) before the optimizer sees the parameters: under
-        # fsdp they become shards, and a checkpoint loads into the shards.
-        self.model: Any = self.strategy.setup_module(self.module)  # maybe compiled below
+        # The passes, in their one order (`parallel.parallelize`): freeze, float8, tp, ep,
+        # activation checkpointing, then the strategy's (pp's stages; fsdp shards, ddp
+        # wraps) before the optimizer sees the parameters: a checkpoint loads into them.
+        model, self.frozen = parallelize(
+            self.module, self.strategy, config, ctx, self.precision.float8
+        )
+        self.model: Any = model  # maybe compiled below
         started = fill_start(self)  # hf:DIR per rank; --lora_quantize's base
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimization = build_optimizer(config, self.module, self.strategy, ctx.data_world)
@@ -185,8 +183,7 @@ class Trainer:
             initial_weights(self, config.init_from)
         self.last_inputs: Any = None  # model inputs of the newest micro-batch (FLOPs, fsdp eval)
         if config.compile:
-            # ddp, zero: the wrapper; fsdp: each block (see `Strategy.compile`)
-            self.model = self.strategy.compile(self.model)
+            self.model = compile_pass(self.strategy, self.model)
         self.first_step_s: float | None = None
         self._t_fit = time.perf_counter()
         self.startup = run.startup or Phases(from_process_start=False)
