@@ -321,10 +321,9 @@ def test_tokens_sent_to_their_experts_rank_come_back_as_the_whole_layer_computes
 
 
 def _ddp_ep_step(rank: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from ddptrain.layout import Layout
     from ddptrain.parallel.base import local_tensor
     from ddptrain.parallel.ddp import DDP
-
-    from ddptrain.layout import Layout
     from ddptrain.parallel.mesh import attach_mesh
     from ddptrain.parallel.parallelize import parallelize
 
