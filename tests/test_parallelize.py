@@ -94,3 +94,16 @@ def test_parallelize_applies_the_passes_then_the_strategy() -> None:
     # each block recomputes: its forward replaced on the instance, names unchanged
     assert all(not inspect.ismethod(b.forward) for b in model.blocks)
     assert all(isinstance(b, nn.Module) for b in model.blocks)
+
+
+def test_fsdp_never_makes_a_tied_embedding_a_unit_of_its_own() -> None:
+    """A GPT whose tied embedding holds most of its weights (a large vocabulary, narrow
+    blocks): the embeddings are the biggest group of one class, but the token embedding's
+    weight is the head's too, and FSDP shards a tensor in one unit only."""
+    from ddptrain.models.gpt import build_gpt
+    from ddptrain.parallel.fsdp import fsdp_blocks
+
+    with torch.device("meta"):
+        gpt = build_gpt(32000, 64, 128)
+    units = fsdp_blocks(gpt, None)
+    assert gpt.wte not in units and gpt.lm_head.weight is gpt.wte.weight

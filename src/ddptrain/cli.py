@@ -1,9 +1,11 @@
-"""Command line: `ddptrain train | export | doctor | plot | evaluate | predict | ray | diagnose`.
+"""Command line: `ddptrain train | export | doctor | plan | plot | evaluate | predict | ray |
+diagnose`.
 
     ddptrain train --dataset digits --epochs 3                       # one process
     torchrun --standalone --nproc_per_node=2 -m ddptrain train       # two ranks, one node
     ddptrain export runs/ddptrain/checkpoints/latest.pt model.safetensors
     torchrun --standalone --nproc_per_node=2 -m ddptrain doctor      # check the cluster
+    ddptrain plan --model hf:DIR --nodes 8 --gpu H100                # what fits, what is fastest
     ddptrain plot runs/a runs/b -o curves.png                        # curves, overlaid
     ddptrain evaluate runs/ddptrain --output metrics.json            # a trained model's metrics
     ddptrain predict runs/ddptrain --dataset digits --output p.npy   # ... and its outputs
@@ -246,6 +248,12 @@ def _cmd_doctor(argv: list[str]) -> int:
     return doctor_main(argv)
 
 
+def _cmd_plan(argv: list[str]) -> int:
+    from ddptrain.launch.planner import main as plan_main
+
+    return plan_main(argv)
+
+
 def _cmd_ray(argv: list[str]) -> int:
     from ddptrain.launch.ray import RayFailed, run_on_ray
 
@@ -280,7 +288,8 @@ def _cmd_diagnose(argv: list[str]) -> int:
 
 
 COMMANDS = {
-    "train": _cmd_train, "export": _cmd_export, "doctor": _cmd_doctor, "plot": _cmd_plot,
+    "train": _cmd_train, "export": _cmd_export, "doctor": _cmd_doctor, "plan": _cmd_plan,
+    "plot": _cmd_plot,
     "evaluate": _cmd_evaluate, "predict": _cmd_predict,
     "ray": _cmd_ray, "diagnose": _cmd_diagnose,
 }

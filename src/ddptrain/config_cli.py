@@ -83,7 +83,7 @@ def _converter(name: str, tp: Any) -> Any:
     return convert
 
 
-def _parse_pair(text: str) -> tuple[str, Any]:
+def parse_pair(text: str) -> tuple[str, Any]:
     """`key=value`; the value is read as YAML, so 3 is an int, true a bool, a/b a string."""
     key, sep, value = text.partition("=")
     if not sep or not key.isidentifier():
@@ -148,7 +148,7 @@ def _add_field(parser: Any, f: dataclasses.Field[Any], tp: Any) -> None:
     if typing.get_origin(base) is dict:
         globs = f.metadata.get("glob_keys", False)
         parser.add_argument(
-            f"--{f.name}", type=_parse_glob_pair if globs else _parse_pair, nargs="+",
+            f"--{f.name}", type=_parse_glob_pair if globs else parse_pair, nargs="+",
             action=_MergePairs, default={}, metavar="GLOB=VALUE" if globs else "KEY=VALUE",
             help=help_text,
         )

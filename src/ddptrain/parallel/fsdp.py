@@ -268,6 +268,13 @@ def fsdp_blocks(module: nn.Module, wrap: str | None) -> list[nn.Module]:
                 f"{', '.join(present[:12])}"
             )
         return found
+    # A module holding a tensor another module holds too (a token embedding tied to the
+    # head) is no unit of its own: FSDP shards a tensor in one unit only.
+    owners: dict[int, int] = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    tied = {k for k, n in owners.items() if n > 1}
     node = module
     while True:
         total = count_parameters(node)
@@ -276,6 +283,8 @@ def fsdp_blocks(module: nn.Module, wrap: str | None) -> list[nn.Module]:
             return []
         by_class: dict[type, list[nn.Module]] = {}
         for child in children:
+            if any(id(p) in tied for p in child.parameters()):
+                continue
             if not isinstance(child, _CONTAINERS):  # a Sequential is a list, not a block
                 by_class.setdefault(type(child), []).append(child)
         if by_class:
