@@ -93,3 +93,27 @@ def test_bad_input_is_one_line_and_exit_2(
     assert cli(["plan", *TINY, *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ddptrain: error: ") and message in err[0], err
+
+
+def test_recompute_is_planned_where_a_micro_batch_fits_only_with_it() -> None:
+    """fsdp on 4 ranks, 2 sequences a rank: without recompute only a micro-batch of 1
+    fits the budget; block recompute fits 2 (selective saves too little here). Both are
+    planned, each with its own flags; a mode is not tried where no recompute fits."""
+    from ddptrain.launch.planner import _card, _model
+
+    budget = 18.0e6 / 0.9 / 2**30
+    args = build_parser().parse_args([
+        "--model", "gpt", "--width", "256", "--block_size", "256", "--vocab_size", "512",
+        "--nodes", "1", "--gpus_per_node", "4", "--global_batch_size", "8",
+        "--gpu_memory", f"{budget}"])
+    fits, over = plan(args, _model(args), 4, 8, _card(args))
+    fsdp = {(p.candidate.recompute, p.candidate.micro) for p in fits
+            if p.candidate.strategy == "fsdp" and p.candidate.tp == 1}
+    assert fsdp == {("off", 1), ("block", 2)}
+    tried = {(p.candidate.recompute, p.candidate.micro) for p in over
+             if p.candidate.strategy == "fsdp" and p.candidate.tp == 1}
+    assert tried == {("off", 2), ("selective", 2)}
+    block = next(p for p in fits if p.candidate.recompute == "block")
+    assert block.name == "fsdp, block recompute"
+    assert block.candidate.flags()[-6:] == [
+        "--activation_checkpointing", "block", "--batch_size", "2", "--grad_accum_steps", "1"]

@@ -7,14 +7,16 @@ them should run fastest, before a single GPU is allocated.
 Each candidate is a layout that divides the world (`--strategy` ddp, zero, fsdp; HSDP with
 a replica a node; `--tp` inside a node, dividing the heads; `--ep` dividing the experts)
 and a micro-batch that keeps the global batch (micro-batch x accumulation x data-parallel
-ranks). Its memory per rank is measured, not estimated: one training step of the layout
+ranks), without activation checkpointing, then where that does not fit with its selective
+and block modes. Its memory per rank is measured, not estimated: one training step of the layout
 runs on fake ranks (`train.probe.fake_step`: the real passes, strategy and optimizer, on
 tensors without data), and a candidate whose peak passes the card's memory less
-`--margin` (the allocator, NCCL's buffers) is dropped. For each layout the largest
-micro-batch that fits is kept (fewer, larger steps).
+`--margin` (the allocator, NCCL's buffers) is dropped. For each layout and mode the
+largest micro-batch that fits is kept (fewer, larger steps).
 
 What fits is ranked by a stated cost model: the step's FLOPs (counted as MFU counts them,
-`observe.flops`) at `--mfu` of the card's dense bf16 peak; the data-parallel traffic
+`observe.flops`; a third more under block recompute) at `--mfu` of the card's dense bf16
+peak; the data-parallel traffic
 (ddp's all-reduce of the gradients, fsdp's two all-gathers of the weights and one
 reduce-scatter of the gradients, in bf16 under autocast) over the network between nodes,
 or the links inside one (`GPUS`), overlapped with compute; tensor parallelism's four
@@ -25,6 +27,7 @@ congestion, stragglers.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,6 +44,7 @@ GPUS: dict[str, tuple[float, float, float, float]] = {
     "MI300X": (192, 1307e12, 448, 50),
 }
 GIB = 2**30
+RECOMPUTE = ("off", "selective", "block")  # tried in this order, each where it still helps
 
 
 Strategy = Literal["ddp", "zero", "fsdp"]
@@ -54,6 +58,7 @@ class Candidate:
     ep: int
     micro: int  # sequences a rank a micro-step
     accum: int  # micro-steps a step
+    recompute: str = "off"  # --activation_checkpointing: off, selective, block
 
     def flags(self) -> list[str]:
         out = ["--strategy", self.strategy]
@@ -61,6 +66,8 @@ class Candidate:
                             ("ep", self.ep)):
             if value > 1:
                 out += [f"--{flag}", str(value)]
+        if self.recompute != "off":
+            out += ["--activation_checkpointing", self.recompute]
         return [*out, "--batch_size", str(self.micro), "--grad_accum_steps", str(self.accum)]
 
 
@@ -216,25 +223,36 @@ def plan(args: Any, model: Model, world: int, batch: int,
     from ddptrain.train.probe import fake_step
 
     budget = card[0] * GIB * (1 - args.margin)
-    fits: dict[tuple[str, int, int, int], Planned] = {}
+    fits: dict[tuple[str, int, int, int, str], Planned] = {}
     over: list[Planned] = []
-    for c in candidates(model, args.nodes, args.gpus_per_node, batch):
-        key = (c.strategy, c.dp_replicate, c.tp, c.ep)
-        if key in fits:
-            continue  # a larger micro-batch of this layout fits already
-        config = TrainingConfig(strategy=c.strategy, dp_replicate=c.dp_replicate, tp=c.tp,
-                                ep=c.ep, optimizer=args.optimizer, use_amp=True,
-                                amp_dtype="bfloat16", batch_size=c.micro,
-                                grad_accum_steps=c.accum, block_size=args.block_size)
-        memory = fake_step(config, world, 0, args.gpus_per_node, model.build, c.micro,
-                           args.block_size, 32)
-        name = Layout.of(config, world).name(c.strategy)
-        step_s, tokens, mfu = cost(c, model, world, args, card)
-        found = Planned(c, name, memory, step_s, tokens, mfu)
-        if memory["total"] <= budget:
-            fits[key] = found
-        else:
-            over.append(found)
+    for base in candidates(model, args.nodes, args.gpus_per_node, batch):
+        layout = (base.strategy, base.dp_replicate, base.tp, base.ep)
+        for mode in RECOMPUTE:
+            c = dataclasses.replace(base, recompute=mode)
+            if (*layout, mode) in fits:
+                continue  # a larger micro-batch of this layout and mode fits already
+            if mode != "off" and (*layout, "off") in fits:
+                continue  # fits without recomputing: at no larger micro-batch is it faster
+            config = TrainingConfig(
+                strategy=c.strategy, dp_replicate=c.dp_replicate, tp=c.tp, ep=c.ep,
+                optimizer=args.optimizer, use_amp=True, amp_dtype="bfloat16",
+                batch_size=c.micro, grad_accum_steps=c.accum, block_size=args.block_size,
+                activation_checkpointing=mode,  # type: ignore[arg-type]
+            )
+            try:
+                memory = fake_step(config, world, 0, args.gpus_per_node, model.build,
+                                   c.micro, args.block_size, 32)
+            except ConfigError:
+                if mode == "off":
+                    raise
+                continue  # no repeated blocks to recompute
+            name = Layout.of(config, world).name(c.strategy)
+            name += f", {mode} recompute" if mode != "off" else ""
+            found = Planned(c, name, memory, *cost(c, model, world, args, card))
+            if memory["total"] <= budget:
+                fits[(*layout, mode)] = found
+            else:
+                over.append(found)
     return sorted(fits.values(), key=lambda p: p.step_s), over
 
 
@@ -245,7 +263,9 @@ def cost(c: Candidate, model: Model, world: int, args: Any,
     dp = world // c.tp
     sequences = c.micro * c.accum * dp
     flops = model.flops_per_sequence * sequences
-    compute = flops / (world * peak * args.mfu)
+    # block recompute runs each forward again (a third of a step's FLOPs); selective only
+    # the cheap element-wise ops between the matmuls, not counted
+    compute = flops * (4 / 3 if c.recompute == "block" else 1) / (world * peak * args.mfu)
     weights = 2 * model.parameters / c.tp  # bf16 bytes of a tp shard
     crosses_nodes = args.nodes > 1 and c.dp_replicate == 1
     bandwidth = (inter if crosses_nodes else intra) * 1e9
