@@ -223,15 +223,15 @@ def plan(args: Any, model: Model, world: int, batch: int,
     from ddptrain.train.probe import fake_step
 
     budget = card[0] * GIB * (1 - args.margin)
-    fits: dict[tuple[str, int, int, int, str], Planned] = {}
+    fits: dict[tuple[tuple[str, int, int, int], str], Planned] = {}
     over: list[Planned] = []
     for base in candidates(model, args.nodes, args.gpus_per_node, batch):
         layout = (base.strategy, base.dp_replicate, base.tp, base.ep)
         for mode in RECOMPUTE:
             c = dataclasses.replace(base, recompute=mode)
-            if (*layout, mode) in fits:
+            if (layout, mode) in fits:
                 continue  # a larger micro-batch of this layout and mode fits already
-            if mode != "off" and (*layout, "off") in fits:
+            if mode != "off" and (layout, "off") in fits:
                 continue  # fits without recomputing: at no larger micro-batch is it faster
             config = TrainingConfig(
                 strategy=c.strategy, dp_replicate=c.dp_replicate, tp=c.tp, ep=c.ep,
@@ -250,7 +250,7 @@ def plan(args: Any, model: Model, world: int, batch: int,
             name += f", {mode} recompute" if mode != "off" else ""
             found = Planned(c, name, memory, *cost(c, model, world, args, card))
             if memory["total"] <= budget:
-                fits[(*layout, mode)] = found
+                fits[(layout, mode)] = found
             else:
                 over.append(found)
     return sorted(fits.values(), key=lambda p: p.step_s), over
