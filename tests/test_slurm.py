@@ -156,8 +156,10 @@ def test_an_array_task_requeues_alone_into_its_own_run_directory(
     out = tmp_path / "sweep"
     env = {"NPROC_PER_NODE": "1", "PYTHON": sys.executable, "DDPTRAIN_ROOT": str(REPO),
            "OMP_NUM_THREADS": "1"}
+    # 10 epochs: the signal must land while the task still trains (one that finished
+    # its 3 epochs before the signal reached its step had nothing left to resume)
     array = slurm.sbatch(
-        SCRIPT, [*TRAIN, "--epochs", "3", "--output_dir", str(out)], env=env,
+        SCRIPT, [*TRAIN, "--epochs", "10", "--output_dir", str(out)], env=env,
         opts=["--array=0-1", "--cpus-per-task=1", f"--output={tmp_path}/task-%a.log",
               "--job-name=ddptrain-array"], cwd=REPO,
     )
@@ -195,5 +197,5 @@ def test_an_array_task_requeues_alone_into_its_own_run_directory(
     assert "resumed from" in log(lead) and "resumed from" not in log(other)
     for i in (0, 1):
         summary = json.loads((out / f"task_{i}" / "summary.json").read_text())
-        assert (summary["world_size"], summary["epochs"]) == (1, 3), summary
+        assert (summary["world_size"], summary["epochs"]) == (1, 10), summary
     assert not (out / "checkpoints").exists()  # nothing trained into the shared directory
