@@ -1,15 +1,7 @@
 """What a hook may change in a run: stop it after this step, and scale its learning rate.
 
-Hooks ask through their `RunView` (`ddptrain.observe.hooks`), which forwards to this
-module's `Steering`:
-
-    class StopAtStep(ddptrain.Hook):
-        def on_step_end(self, run):
-            if run.step == 7:
-                run.request_stop("enough")            # after this step, on every rank
-        def on_row(self, run, row):                     # global figures, every rank
-            if row["split"] == "val" and row["loss"] > 1.0:
-                run.lr_multiplier = 0.5               # from the next step on
+Hooks ask through their `RunView` (`ddptrain.observe.hooks`, whose docstring shows a
+hook doing both), which forwards to this module's `Steering`.
 
 A stop request is made on one rank or several; it rides on the metric all-reduce the
 trainer already makes (about every 2 s, and after each validation), so every rank stops
