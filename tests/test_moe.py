@@ -8,8 +8,9 @@ balancing loss trains (`--moe_aux_weight`) while the rows' loss stays the task's
 goes on bit for bit; what does not combine is one line. 2 ranks (slow tier): fsdp,
 `--ep` (under ddp and fsdp) and `--tp` end with ddp's weights, and an `--ep` DCP step
 resumes on one process. Heavy: on 4 ranks `--ep` over groups of ranks (ddp, fsdp, and
-fsdp x `--tp`) ends with ddp's weights; an `--ep` run SIGKILLed mid-epoch resumes bit for
-bit.
+fsdp x `--tp`) and HSDP end with ddp's weights; an `--ep` run SIGKILLed mid-epoch resumes
+bit for bit. The balancing loss of the global micro-batch against one process:
+`test_moe_global`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def test_the_layer_is_the_dense_sum_of_each_tokens_chosen_experts(
         got = moe(x)
         got.sum().backward()  # every expert that got a token has a gradient
     assert [r.split(" at ")[0] for r in counted.reads[-1]] == reads
-    aux, counts = moe.last  # type: ignore[misc]
+    aux, counts, prob_sums = moe.last  # type: ignore[misc]
     flat = x.reshape(-1, width)
     probs = F.softmax(moe.router(flat), dim=-1)
     want = torch.zeros_like(flat)
@@ -67,6 +68,7 @@ def test_the_layer_is_the_dense_sum_of_each_tokens_chosen_experts(
     assert int(counts.sum()) == 15 * 2
     share = counts.float() / 30
     torch.testing.assert_close(aux, 4 * (share * probs.mean(0)).sum())
+    torch.testing.assert_close(prob_sums, probs.sum(0))  # the global loss's local part
     assert moe.w_in.grad is not None
     used = counts > 0
     assert (moe.w_in.grad[used].abs().sum((1, 2)) > 0).all()
@@ -265,16 +267,17 @@ def test_experts_spread_over_two_ranks_train_as_ddp_and_resume_on_one(tmp_path: 
     rank holds every expert, and so do `--ep 2` under fsdp (one expert group: the experts'
     own FSDP unit has no other rank) and `--tp 2` (each expert's hidden width split); the
     rows count the same tokens per expert. The ep run's DCP step of mid-epoch resumes on
-    one process (every expert whole there) and ends as the ep run does (without the
-    balancing loss, which each rank takes over its own tokens), and `model.safetensors`
-    holds each expert tensor whole."""
+    one process (every expert whole there) and ends as the ep run does (the balancing
+    loss is the global micro-batch's: one process of 16 takes the one 2 ranks of 8 do),
+    and `model.safetensors` holds each expert tensor whole."""
     from dist_utils import run_ranks
     from nd_workers import fit_runs
     from safetensors.torch import load_file
 
-    # no balancing loss: a rank's is its own tokens', which one process would pool
+    # the default balancing loss, of the global micro-batch (`--moe_aux_scope global`):
+    # the tp run's one data-parallel rank of 16 takes the one ddp's 2 ranks of 8 take
     run = dict(GPT, epochs=1, grad_accum_steps=2, batch_size=8, synthetic_size=128,
-               checkpoint_format="dcp", moe_aux_weight=0.0)
+               checkpoint_format="dcp")
     ddp, ep, *others = run_ranks(fit_runs, 2, tmp_path, [
         dict(run, output_dir=str(tmp_path / "ddp")),
         dict(run, output_dir=str(tmp_path / "ep"), ep=2, save_every_steps=2),
@@ -305,22 +308,24 @@ def test_experts_over_part_of_the_ranks_or_split_by_tp_train_as_ddp(
     groups' expert gradients all-reduced once a window) and under fsdp (each expert's
     shard further split over the 2 ranks that hold it, the rest over all 4) and fsdp x
     `--tp 2` x `--ep 2` (the experts whole on the 2 data-parallel ranks of each tp index,
-    the attention split over the tp ranks) end within
-    1e-5 of ddp (SGD with momentum, clipping, 2-step accumulation), the rows counting
-    the same tokens per expert."""
+    the attention split over the tp ranks), and HSDP (2 replicas x 2 shards, no `--ep`)
+    end within 1e-5 of ddp (SGD with momentum, clipping, 2-step accumulation), the rows
+    counting the same tokens per expert. The balancing loss is the global micro-batch's
+    in each: its counts summed over the data-parallel ranks (all 4; the 2 of a tp index;
+    replicas and shards together), not over tp peers."""
     from dist_utils import run_ranks
     from nd_workers import fit_runs
 
-    run = dict(GPT, epochs=1, grad_accum_steps=2, batch_size=8, synthetic_size=128,
-               moe_aux_weight=0.0)
-    ddp, ep, fsdp, eptp = run_ranks(fit_runs, 4, tmp_path, [
+    run = dict(GPT, epochs=1, grad_accum_steps=2, batch_size=8, synthetic_size=128)
+    ddp, ep, fsdp, eptp, hsdp = run_ranks(fit_runs, 4, tmp_path, [
         dict(run, output_dir=str(tmp_path / "ddp")),
         dict(run, output_dir=str(tmp_path / "ep"), ep=2),
         dict(run, output_dir=str(tmp_path / "fsdp"), ep=2, strategy="fsdp"),
         dict(run, output_dir=str(tmp_path / "eptp"), tp=2, ep=2, strategy="fsdp",
              batch_size=16),
+        dict(run, output_dir=str(tmp_path / "hsdp"), strategy="fsdp", dp_replicate=2),
     ])[0]
-    _as_ddp(tmp_path, ddp, {"ep": ep, "fsdp": fsdp, "eptp": eptp})
+    _as_ddp(tmp_path, ddp, {"ep": ep, "fsdp": fsdp, "eptp": eptp, "hsdp": hsdp})
 
 
 @pytest.mark.slow

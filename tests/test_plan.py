@@ -4,39 +4,15 @@ ranks (`train.probe`), ranked by a stated cost model."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import BIN, REPO, child_env
+from conftest import REPO
 
 from ddptrain.launch.planner import Model, build_parser, candidates, main, plan
 
 TINY = ["--model", "gpt", "--width", "128", "--block_size", "64", "--vocab_size", "4096",
         "--nodes", "1", "--gpus_per_node", "4", "--global_batch_size", "8"]
-
-
-@pytest.mark.slow
-def test_fake_ranks_hold_what_real_ranks_hold(tmp_path: Path) -> None:
-    """One training step of each layout on 2 real gloo ranks and on 2 fake ones: the peak
-    a rank holds within 10 %, and the optimizer's state (what a layout shards) within 2 %.
-    (The kinds at the moment of the peak move with the gathers' timing on real ranks:
-    fsdp's unsharded weights may or may not be held then.)"""
-    out = tmp_path / "peaks.json"
-    proc = subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2",
-         str(REPO / "tests" / "probe_real.py"), str(out), "ddp", "zero", "fsdp", "tp2"],
-        env=child_env(), text=True, capture_output=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    peaks = json.loads(out.read_text())
-    for name, real in peaks["real"].items():
-        fake = peaks["fake"][name]
-        assert abs(fake["total"] - real["total"]) <= 0.1 * real["total"], (name, real, fake)
-        assert fake["optimizer"] == pytest.approx(real["optimizer"], rel=0.02), name
-    # the layouts differ as they should: zero keeps half of ddp's optimizer state
-    assert peaks["real"]["zero"]["optimizer"] == pytest.approx(
-        peaks["real"]["ddp"]["optimizer"] / 2, rel=0.02)
 
 
 def test_the_layouts_follow_each_dimensions_rules() -> None:
@@ -101,7 +77,7 @@ def test_recompute_is_planned_where_a_micro_batch_fits_only_with_it() -> None:
     planned, each with its own flags; a mode is not tried where no recompute fits."""
     from ddptrain.launch.planner import _card, _model
 
-    budget = 18.0e6 / 0.9 / 2**30
+    budget = 18.5e6 / 0.9 / 2**30
     args = build_parser().parse_args([
         "--model", "gpt", "--width", "256", "--block_size", "256", "--vocab_size", "512",
         "--nodes", "1", "--gpus_per_node", "4", "--global_batch_size", "8",
@@ -117,3 +93,74 @@ def test_recompute_is_planned_where_a_micro_batch_fits_only_with_it() -> None:
     assert block.name == "fsdp, block recompute"
     assert block.candidate.flags()[-6:] == [
         "--activation_checkpointing", "block", "--batch_size", "2", "--grad_accum_steps", "1"]
+
+
+def _llama(directory: Path, **fields: int) -> Path:
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 12,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+              "max_position_embeddings": 256, "tie_word_embeddings": False, **fields}
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.slow
+def test_a_deep_models_memory_extrapolated_from_two_depths_equals_it_measured_whole(
+    tmp_path: Path,
+) -> None:
+    """A deep Llama's peak per rank, measured at 3 and 4 blocks and extrapolated (what
+    makes a 70B plan take minutes), within 8 % of a step of all its blocks, for fsdp,
+    fsdp x tp and block recompute on 8 fake ranks: a 12-block one, and a 24-block one
+    whose peak moves with depth (at 3 blocks the logits' temporaries make it, at 24 the
+    saved activations). The plan's first choice is measured at full depth."""
+    import dataclasses
+
+    from ddptrain.launch.planner import Candidate, lm_model, measure
+    from ddptrain.observe.flops import count_flops
+
+    args = build_parser().parse_args(["--block_size", "128", "--gpus_per_node", "8",
+                                      "--global_batch_size", "16", "--gpu_memory", "1"])
+    shallow = lm_model(f"hf:{_llama(tmp_path / 'a')}", {}, 512, 128, 0, count_flops)
+    moving = lm_model(f"hf:{_llama(tmp_path / 'b', num_hidden_layers=24, vocab_size=4096)}",
+                      {}, 4096, 128, 0, count_flops)
+    assert shallow.deep and moving.deep
+    for model in (shallow, moving):
+        whole = dataclasses.replace(model, deep=False)
+        for c in (Candidate("fsdp", 1, 1, 1, 2, 1), Candidate("fsdp", 1, 2, 1, 2, 1),
+                  Candidate("fsdp", 2, 1, 1, 4, 1, "block")):
+            guess, measured = measure(args, model, 8, c), measure(args, whole, 8, c)
+            assert guess["total"] == pytest.approx(measured["total"], rel=0.08), c
+    two = build_parser().parse_args(["--block_size", "128", "--gpus_per_node", "2",
+                                     "--global_batch_size", "4", "--gpu_memory", "1"])
+    fits, _ = plan(two, moving, 2, 4, (1.0, 989e12, 450.0, 50.0))
+    first = fits[0]
+    assert first.whole and not all(p.whole for p in fits[1:])
+    assert first.memory == measure(two, dataclasses.replace(moving, deep=False), 2,
+                                   first.candidate)
+
+
+@pytest.mark.slow
+def test_a_70b_llama_on_64_ranks_holds_between_steps_what_the_doctor_counts() -> None:
+    """`examples/llama-70b` (its config.json alone: built on fake tensors, no weights)
+    under fsdp on 8 x 8 ranks: the parameters, gradients and AdamW state a rank holds
+    between steps, measured on fake ranks at 3 and 4 blocks and extrapolated to 80, agree
+    with `ddptrain doctor`'s arithmetic within 15 %."""
+    import torch
+
+    from ddptrain.config import TrainingConfig
+    from ddptrain.launch.planner import Candidate, _model, measure
+    from ddptrain.parallel import resolve_strategy
+    from ddptrain.parallel.memory import optimizer_slots
+
+    args = build_parser().parse_args([
+        "--model", f"hf:{REPO / 'examples' / 'llama-70b'}", "--nodes", "8",
+        "--gpus_per_node", "8", "--block_size", "4096"])
+    model = _model(args)
+    assert model.deep and model.layers == 80 and 70e9 < model.parameters < 71e9
+    held = measure(args, model, 64, Candidate("fsdp", 1, 1, 1, 1, 8, "block"))
+    config = TrainingConfig(strategy="fsdp", optimizer="adamw")
+    doctor = resolve_strategy(config, 64, torch.device("cpu")).rank_bytes(
+        model.parameters, optimizer_slots(config))
+    for kind in ("params", "grads", "optimizer"):
+        assert held[f"held_{kind}"] == pytest.approx(doctor[kind], rel=0.15), (kind, held)

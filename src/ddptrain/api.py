@@ -127,6 +127,7 @@ def resolve_run(
     from ddptrain.data import bundle_datasets, load_data, with_collate
     from ddptrain.data.mix import with_val_sets
     from ddptrain.data.sources import with_val_objects
+    from ddptrain.launch.autolayout import choose, wanted
     from ddptrain.launch.cluster import read_cluster_env
     from ddptrain.launch.process_group import resolve_backend, resolve_device
     from ddptrain.log import setup_logging
@@ -174,6 +175,12 @@ def resolve_run(
             f"--channels_last needs image data (N, C, H, W), and --dataset {config.dataset!r} "
             f"gives samples of shape {data.input_shape}: drop the flag"
         )
+    if wanted(config):  # `--layout auto`, `--batch_size auto`: planned for this world
+        config = choose(config, data.facts.vocab_size, cluster.world_size,
+                        cluster.local_world_size, device, own_model=model is not None,
+                        iterable=data.iterable)
+        strategy = resolve_strategy(config, cluster.world_size, device,
+                                    cluster.local_world_size)
     if model is None and (Layout.of(config).splits_model or config.ep > 1):
         from ddptrain.models.factory import model_shape
         from ddptrain.parallel.resolve import check_model_layout

@@ -40,6 +40,7 @@ BUILTIN_SCHEDULERS = ("cosine",)
 SEED_MAX = 2**32 - 1  # numpy takes no seed < 0; + rank, epoch or a 32-bit hash stays < 2**64
 WIDTH_MAX = 2**20  # --width: beyond it no built-in model's layer fits a host (see check_model)
 DEFAULT_DATASET = "breast_cancer"
+AUTO_BATCH = -1  # `--batch_size auto` as the config holds it, until launch plans it
 
 
 def _at_least(c: object, minimum: float, fix: str, *names: str) -> None:
@@ -49,7 +50,9 @@ def _at_least(c: object, minimum: float, fix: str, *names: str) -> None:
             _bad(name, value, fix)
 
 def check_data(c: DataSection) -> None:
-    _at_least(c, 1, "use a whole number of at least 1", "batch_size", "block_size")
+    _at_least(c, 1, "use a whole number of at least 1", "block_size")
+    if c.batch_size != AUTO_BATCH:
+        _at_least(c, 1, "use a whole number of at least 1", "batch_size")
     _at_least(c, 0, "use a value of 0 or more", "num_workers")
     if c.synthetic_size < 2:
         _bad("synthetic_size", c.synthetic_size, "use at least 2 samples")
@@ -109,6 +112,7 @@ def check_optimization(c: OptimizationSection) -> None:
 
 def check_parallel(c: ParallelSection) -> None:
     _at_least(c, 1, "use a whole number of at least 1 (1: off)", "dp_replicate", "tp", "pp")
+    _at_least(c, 1e-3, "use a positive number of GiB, or leave it unset", "device_memory")
     if c.tp_plan is not None and not is_import_ref(c.tp_plan):
         _bad("tp_plan", c.tp_plan, "give package.module:fn, fn(model, tp_mesh)")
     if c.pp_split is not None and not is_import_ref(c.pp_split):
@@ -186,6 +190,16 @@ def check_runtime(c: RuntimeSection) -> None:
 
 def check_across(c: TrainingConfig) -> None:
     """The rules that join fields of several sections, after each section's own."""
+    if c.layout == "auto":
+        named = [f"--{f} {getattr(c, f)}" for f in ("tp", "pp", "dp_replicate", "ep")
+                 if getattr(c, f) != 1]
+        if named:
+            raise ConfigError(f"--layout auto chooses the layout, and {' '.join(named)} "
+                              "names one: drop it, or drop --layout auto")
+    if c.batch_size == AUTO_BATCH and c.global_batch_size is None:
+        raise ConfigError("--batch_size auto keeps a global batch: give --global_batch_size")
+    if c.batch_size == AUTO_BATCH and c.pp > 1:
+        raise ConfigError("--batch_size auto does not plan --pp: name --batch_size")
     if c.pack and (c.pp > 1 or c.sequence_parallel):
         flag = "--pp" if c.pp > 1 else "--sequence_parallel"
         raise ConfigError(f"--pack keeps documents apart with a mask that {flag} does not "

@@ -68,9 +68,13 @@ def _converter(name: str, tp: Any) -> Any:
     if base is bool:
         return _parse_bool
 
+    words = TrainingConfig.__dataclass_fields__[name].metadata.get("words", {})
+
     def convert(text: str) -> Any:
         if optional and text.lower() in ("none", "null", ""):
             return None
+        if text in words:  # `--batch_size auto`
+            return words[text]
         try:
             return base(text)
         except ValueError:
@@ -210,6 +214,9 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, dict) and name in _KEYED_LISTS:  # mix: {chars: 0.7, ...}
             return [f"{k}={v}" for k, v in value.items()]
         raise ConfigError(f"{name}: {value!r} in the config file is invalid: use a list")
+    words = TrainingConfig.__dataclass_fields__[name].metadata.get("words", {})
+    if isinstance(value, str) and value in words:
+        return words[value]
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if base is int and isinstance(value, float) and value.is_integer():

@@ -16,11 +16,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ddptrain.config_checks import DEFAULT_DATASET
+from ddptrain.config_checks import AUTO_BATCH, DEFAULT_DATASET
 
 
-def _f(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _f(default: Any, help: str, **metadata: Any) -> Any:
+    return field(default=default, metadata={"help": help, **metadata})
 
 
 
@@ -57,7 +57,17 @@ class DataSection:
         "for a module:fn dataset that returns its own validation set)",
     )
     synthetic_size: int = _f(50_000, "number of samples of the synthetic dataset")
-    batch_size: int = _f(64, "samples per rank per micro-step")
+    batch_size: int = _f(
+        64, "samples per rank per micro-step; auto: the largest micro-batch that fits, "
+        "planned at launch for a language model as `ddptrain plan` plans it, keeping the "
+        "global batch (--global_batch_size), and --oom_backoff",
+        words={"auto": AUTO_BATCH},
+    )
+    oom_backoff: bool = _f(
+        False, "an out-of-memory in the first steps halves --batch_size and doubles "
+        "--grad_accum_steps (the same global batch, the same result) instead of ending the "
+        "run (set by --batch_size auto)",
+    )
     num_workers: int = _f(
         0, "DataLoader worker processes per rank (0: in-memory batches are sliced in-process)"
     )
@@ -91,6 +101,11 @@ class ModelSection:
     sync_bn: bool = _f(False, "convert BatchNorm layers to SyncBatchNorm")
     moe_aux_weight: float = _f(0.01, "weight of a mixture of experts' load-balancing loss "
                                "(its routers'), added to the training loss")
+    moe_aux_scope: Literal["global", "local"] = _f(
+        "global", "the balancing loss's token counts: global (summed over the data-parallel "
+        "ranks first, so N ranks balance as one process of the global batch) | local "
+        "(each rank's own tokens)",
+    )
 
 
 @dataclass
@@ -145,6 +160,16 @@ class ParallelSection:
     The device mesh: world size = pp x dp_replicate x (data-parallel shards) x tp
     (`ddptrain.layout.Layout`)."""
 
+    layout: Literal["flags", "auto"] = _f(
+        "flags", "flags: the layout --strategy, --dp_replicate, --tp, --pp and --ep name | "
+        "auto: `ddptrain plan`'s first choice for this world and the device's memory, with "
+        "its micro-batch (a language model; the global batch kept), chosen at launch and "
+        "kept by a resume",
+    )
+    device_memory: float | None = _f(
+        None, "--layout auto, --batch_size auto: GiB a rank may hold (default: the GPU's "
+        "memory; on a CPU the host's over its local ranks); a tenth of it is kept free",
+    )
     strategy: Literal["ddp", "zero", "fsdp"] = _f(
         "ddp",
         "how the model is spread over 2+ ranks: ddp (replicas) | zero (DDP, optimizer state "

@@ -84,6 +84,9 @@ class TrainBatches:
         )
 
     def plan(self, epoch: int, start: int) -> tuple[torch.Tensor, list[Micro]]:
+        # The config's batch layout as it is now: `--oom_backoff` lowers --batch_size (and
+        # raises --grad_accum_steps as much) mid-epoch, and plans again from `start`, the
+        # global sample its window began at; the steps of an epoch stay as they were.
         cfg, ctx = self.config, self.ctx
         plan = plan_epoch(
             self.n, ctx.data_world, ctx.data_rank, cfg.batch_size, cfg.grad_accum_steps,

@@ -35,6 +35,7 @@ from typing import IO, Any
 import yaml
 
 from ddptrain.config import TrainingConfig
+from ddptrain.config_checks import AUTO_BATCH
 from ddptrain.config_cli import dump_yaml
 from ddptrain.config_values import names_code
 from ddptrain.errors import ConfigError
@@ -117,7 +118,7 @@ def resolve_layout(config: TrainingConfig, world_size: int) -> TrainingConfig:
     if config.output_dir is None:
         changes["output_dir"] = default_output_dir(config)
     g = config.global_batch_size
-    if g is not None:
+    if g is not None and config.batch_size != AUTO_BATCH:  # auto: planned later
         # Ranks that split a model (--tp, --pp) share their batch: data-parallel ranks.
         ranks = Layout.of(config, world_size).data_parallel
         per_step = ranks * config.batch_size

@@ -105,7 +105,8 @@ def _build_hf(
         )
         _check_vocabulary(name, config, task, outputs)
         if device.type == "meta":
-            skeleton = cls.from_config(config, trust_remote_code=trust)
+            with torch.device("meta"):  # a 70B skeleton allocates nothing, whoever asks
+                skeleton = cls.from_config(config, trust_remote_code=trust)
             adopt_experts(skeleton)  # `--ep` spreads its batched experts (`models.hf_moe`)
             return skeleton  # type: ignore[no-any-return,unused-ignore]
         with _quiet(transformers):  # its multi-line load report: one line of ours instead

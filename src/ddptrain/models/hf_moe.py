@@ -14,6 +14,14 @@ token rows go to the ranks of their experts and back through `models.moe.routed`
 built-in mixture's dispatch, each rank computing its experts as transformers does.
 Layouts this pass does not compute (biases, transposed or interleaved weights, experts
 without a gate) are named in `no_expert_parallel`, which `--ep` refuses with.
+
+The balancing loss of such a model is transformers' own, not the training loop's
+(`train.routing`, which takes the built-in mixture's and reads `--moe_aux_weight` and
+`--moe_aux_scope`): with the model config's `output_router_logits` on and batches holding
+`labels`, the model adds `router_aux_loss_coef` times its loss over the router logits of
+its forward (this rank's tokens) to the loss it returns, which ddptrain trains on as the
+model's own; with it off (transformers' default) none trains. Either way its experts'
+token counts are not logged.
 """
 
 from __future__ import annotations

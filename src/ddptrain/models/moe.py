@@ -21,18 +21,22 @@ experts (the batched weights are DTensor shards of dimension 0): the sorted rows
 the ranks that hold their experts with one all-to-all, are computed there, and come back
 with another, in the order they left; their gradients travel the same way in backward.
 
-Each forward leaves `last`: the router's load-balancing loss (Switch Transformer's:
-experts x the sum over experts of the fraction of token slots it got times its mean
-probability; 1 when perfectly even) and the token slots each expert got. The training
-loop adds the loss, weighted by `--moe_aux_weight`, and logs the counts
-(`ddptrain.train.routing`).
+Each forward leaves `last` (`Balance`): the router's load-balancing loss over this
+forward's tokens (Switch Transformer's: experts x the sum over experts of the fraction of
+token slots it got times its mean probability; 1 when perfectly even), the token slots
+each expert got, and each expert's router probability summed over the tokens. The
+training loop adds the loss, weighted by `--moe_aux_weight`, and logs the counts
+(`ddptrain.train.routing`). By default (`--moe_aux_scope global`) it takes the loss of
+the global micro-batch, not of this rank's share: the counts are all-reduced over the
+data-parallel ranks and each rank's part is the global fractions times its own
+probability sums (`global_balance`), so N ranks train as one process does.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +44,29 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
+
+
+class Balance(NamedTuple):
+    """What a mixture's forward leaves for its load-balancing loss (`MoE.last`)."""
+
+    loss: torch.Tensor  # the balancing loss of this forward's tokens alone (fp32, 0-d)
+    counts: torch.Tensor  # the token slots each expert got (int64, (experts,))
+    prob_sums: torch.Tensor  # each expert's router probability summed over the tokens (fp32)
+
+
+def global_balance(counts: torch.Tensor, prob_sums: torch.Tensor, top_k: int) -> torch.Tensor:
+    """This rank's part of the balancing loss of a micro-batch spread over ranks: with
+    `counts` the token slots of every rank summed (all-reduced, so T = counts.sum() / k
+    tokens in all) and `prob_sums` this rank's own probability sums,
+
+        experts x sum_e (counts_e / (T k)) x prob_sums_e / T
+
+    The ranks' parts sum to the loss of the whole micro-batch in one process (its mean
+    probabilities are the ranks' sums over T), and so do their gradients: the fractions
+    are not differentiable (a top-k's counts), each rank's sums are its tokens' alone."""
+    slots = counts.to(prob_sums.dtype)
+    total = slots.sum().clamp_min(1.0)  # T k
+    return prob_sums.numel() * top_k * (slots * prob_sums).sum() / (total * total)
 
 
 class MoE(nn.Module):
@@ -62,8 +89,8 @@ class MoE(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.out_std = out_std
         self.reset_parameters()
-        # (load-balancing loss, token slots per expert) of the newest forward
-        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the newest forward's figures for the load-balancing loss
+        self.last: Balance | None = None
         self.ep_group: Any = None  # the ranks the experts are spread over (`--ep`)
         self.tp_group: Any = None  # the ranks splitting each expert's hidden width (`--tp`)
 
@@ -89,7 +116,7 @@ class MoE(nn.Module):
         mixed = torch.zeros_like(x)  # its own tensor, not a view (FSDP wraps the layer)
         mixed.view(-1, x.size(-1)).index_add_(0, token, out)
         share = counts.float() / chosen.numel()
-        self.last = (self.experts * (share * probs.mean(0)).sum(), counts)
+        self.last = Balance(self.experts * (share * probs.mean(0)).sum(), counts, probs.sum(0))
         return self.dropout(mixed)
 
     def _experts(self, rows: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ddptrain.context import DistributedContext
@@ -73,7 +74,10 @@ def count_flops(model: nn.Module, batch: torch.Tensor) -> float:
         return 0.0
     shadow.train()
     counter = FlopCounterMode(display=False)
-    with counter:
+    # Under fake mode the inputs (and what the model makes of them, a Hugging Face model's
+    # masks) are fake tensors, whose data-dependent checks torch and transformers skip;
+    # on plain meta tensors a Llama's mask check (`.all()`) cannot be answered.
+    with FakeTensorMode(allow_non_fake_inputs=True), counter:
         out = parse_output(shadow(torch.empty_like(batch, device="meta")))  # a HF model's too
         result = out.prediction if out.prediction is not None else out.loss
         assert result is not None  # parse_output refuses an output with neither

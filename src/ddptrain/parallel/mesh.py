@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -162,10 +163,27 @@ def ep_mesh(ctx: DistributedContext, ep: int) -> DeviceMesh:
     assert ctx.mesh is not None, "expert parallelism runs on the job's mesh"
     found = _EP_MESHES.get((id(ctx.mesh), ep))
     if found is None or found[0] is not ctx.mesh:
-        dp = ctx.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        dp = _flat_dp(ctx.mesh)
         found = (ctx.mesh, dp._unflatten(0, (dp.size() // ep, ep), EP_DIMS))
         _EP_MESHES[(id(ctx.mesh), ep)] = found
     return found[1]
+
+
+def _flat_dp(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dimensions as one (torch caches a flatten: made once)."""
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def data_group(ctx: DistributedContext) -> Any:
+    """The process group of this rank's data-parallel ranks (those of its pipeline stage
+    and tensor-parallel index that hold other data: `dp_replicate x dp_shard`); None:
+    every rank, a job without a mesh."""
+    if ctx.mesh is None:
+        return None
+    replicas, shards = ctx.mesh["dp_replicate"].size(), ctx.mesh["dp_shard"].size()
+    if replicas > 1 and shards > 1:
+        return _flat_dp(ctx.mesh).get_group()
+    return ctx.mesh["dp_replicate" if replicas > 1 else "dp_shard"].get_group()
 
 
 def fsdp_mesh(ctx: DistributedContext) -> DeviceMesh | None:

@@ -20,10 +20,13 @@ if TYPE_CHECKING:
     from ddptrain.train.trainer import Trainer
 
 
-def forward_backward(trainer: Trainer, batch: Any, micro: Micro, sums: MetricSums) -> Any:
+def forward_backward(
+    trainer: Trainer, batch: Any, micro: Micro, sums: MetricSums, sync: bool | None = None
+) -> Any:
     """Forward and backward of one micro-batch, through the strategy (a plain forward
     or a pipeline's schedule); gradients are reduced only on the last micro-batch of
-    a window. Returns the model inputs (for FLOP counting)."""
+    a window (`sync` False: on none, the caller reduces them). Returns the model inputs
+    (for FLOP counting)."""
     inputs, targets = split(to_device(batch, trainer.ctx.device, trainer.memory_format))
     scale = 0.0 if micro.pad else loss_scale(trainer, micro)
     if trainer.config.compile:
@@ -43,13 +46,14 @@ def forward_backward(trainer: Trainer, batch: Any, micro: Micro, sums: MetricSum
                 parse_output(output[: stop - start]), held[start:stop], None
             )
         # the routers' balancing loss trains; the figures logged are the task's
-        total = score.loss_sum if trainer.routing is None else trainer.routing.add(score)
+        total = score.loss_sum if trainer.routing is None else trainer.routing.add(score, micro.pad)
         if not micro.pad:
             sums.update(score)
         return trainer.scaler.scale(total if scale == 1.0 else total * scale)
 
     trainer.strategy.forward_backward(
-        trainer.call, trainer.model, inputs, loss, micro.ends_window, trainer.precision.autocast
+        trainer.call, trainer.model, inputs, loss, micro.ends_window if sync is None else sync,
+        trainer.precision.autocast,
     )
     return inputs
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from ddptrain.parallel.parts import freeze
 from ddptrain.train.optim import peak_lr
 from ddptrain.train.precision import Precision, resolve_precision
 from ddptrain.train.tasks import LanguageModel, ModelLoss, Task, resolve_task
+
+if TYPE_CHECKING:
+    from ddptrain.train.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -246,3 +250,22 @@ def _optimizer_name(config: TrainingConfig) -> str:
     if config.optimizer == "adamw":
         return "AdamW"
     return "SGD with momentum" if config.momentum else "SGD"
+
+
+def plan_of(trainer: Trainer) -> RunPlan:
+    """A built trainer's run plan (`Trainer.plan`)."""
+    from ddptrain.models.moe import expert_parameters
+    from ddptrain.parallel.base import nbytes
+
+    module = trainer.module
+    experts = expert_parameters(module)
+    return make_plan(
+        trainer.config, trainer.data, trainer.ctx.world_size, str(trainer.ctx.device),
+        trainer.ctx.backend or "none", trainer.precision.describe(), trainer.task.name,
+        trainer.parameter_count, trainer.choice, trainer.steps_per_epoch,
+        frozen=trainer.frozen, groups=trainer.optimization.lines,
+        freed=nf4_freed(module, trainer.lora, trainer.config),
+        trained_bytes=sum(nbytes(p) for p in module.parameters() if p.requires_grad),
+        experts=(sum(p.numel() for p in experts), sum(nbytes(p) for p in experts))
+        if experts else None,
+    )

@@ -18,7 +18,9 @@ all-reduced at the step and the gradients are rescaled by it.
 Faults: a non-finite gradient skips the step on every rank (on the device, read by the
 host a step later: `stepping`); SIGTERM is agreed on at the
 next metric all-reduce, a checkpoint is written and the run exits with `Preempted`; a
-restarted torchrun worker resumes from the newest checkpoint.
+restarted torchrun worker resumes from the newest checkpoint. `--oom_backoff`: an
+out-of-memory in the first steps runs the window again at a smaller micro-batch
+(`train.backoff`; `BackedOff` restarts the epoch's batches at the position reached).
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from ddptrain.data import (
 )
 from ddptrain.files import atomic_write_text
 from ddptrain.models import build_model, hf_dir, is_hf_model, is_hf_ref
-from ddptrain.models.moe import expert_parameters
 from ddptrain.observe import Console, Curves, Hook, Hooks, MetricsWriter
 from ddptrain.observe.flops import gpu_fields, meta_shadow, peak_fields
 from ddptrain.observe.hang import POSITION, StallWatch
@@ -54,11 +55,11 @@ from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.startup import Phases
 from ddptrain.observe.trackers import tracker_hooks
 from ddptrain.observe.writer import RunLogError
-from ddptrain.parallel.base import nbytes
-from ddptrain.parallel.lora import LoraSpec, adapt, nf4_freed
+from ddptrain.parallel.lora import LoraSpec, adapt
 from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.parallel.mesh import attach_mesh
 from ddptrain.parallel.parallelize import compile_pass, parallelize
+from ddptrain.train.backoff import BackedOff, Backoff, refuse_unsupported
 from ddptrain.train.ema import EMA
 from ddptrain.train.evaluate import Evaluator, named_figures
 from ddptrain.train.forward import forward_backward
@@ -71,7 +72,7 @@ from ddptrain.train.metrics import (
     reduce_snapshots,
 )
 from ddptrain.train.optim import build_optimizer, build_scheduler
-from ddptrain.train.plan import Resolved, RunPlan, format_plan, make_plan
+from ddptrain.train.plan import Resolved, RunPlan, format_plan, plan_of
 from ddptrain.train.resume import restore, take_best
 from ddptrain.train.rollback import SkippedSteps, roll_back
 from ddptrain.train.routing import Routing
@@ -106,8 +107,7 @@ class Trainer:
         process group (`ddptrain.fit`; by hand: `ddptrain.train.plan.resolve`)."""
         device, config = ctx.device, run.config
         self.choice = run.strategy
-        # --tp, --pp, --dp_replicate: the device mesh of the strategy's layout, built once
-        ctx = attach_mesh(ctx, self.choice.layout)
+        ctx = attach_mesh(ctx, self.choice.layout)  # the layout's device mesh, built once
         self.config, self.ctx, self.data = config, ctx, run.data
         self.task, self.precision = run.task, run.precision
         self.precision.apply()
@@ -116,7 +116,9 @@ class Trainer:
         self.module = self._build_module(module)
         self.call = ModelCall(self.module, packed=config.pack)
         self.scorer = Scorer(self.task, device)
-        self.routing = Routing.of(self.module, config.moe_aux_weight)  # mixture of experts
+        self.routing = Routing.of(self.module, config.moe_aux_weight, config.moe_aux_scope, ctx)
+        refuse_unsupported(config, self.choice.name, run.data.iterable,  # --oom_backoff
+                           routed_globally=getattr(self.routing, "spread", False))
         self._setup_data()
         # FLOPs are counted on a meta-device shadow (no data) taken before the module is
         # wrapped or sharded: an FSDP module cannot be copied. Only GPU rows report them.
@@ -142,6 +144,7 @@ class Trainer:
         self.steer = Steering(self.optimizer, self.scheduler)
         self.ema = EMA(self.module, config.ema_decay) if config.ema_decay else None
         self.verdicts = Verdicts(ctx.device, config.max_bad_steps, config.ckpt_dir)
+        self.backoff = Backoff(self)  # --oom_backoff: the first steps' micro-steps
         self.progress = Progress()
         self._sync_every = min(config.log_interval, FIRST_SYNC_STEPS)
         self.stragglers = Stragglers(config.straggler_factor)
@@ -344,20 +347,46 @@ class Trainer:
         return val
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
-        cfg = self.config
         self.model.train()
         meter = self._new_meter()
         self.steps_done_in_epoch = max(0, self.progress.step - (epoch - 1) * self.steps_per_epoch)
         self.hooks.on_epoch_start(self, epoch)
         sync = Sync(self.progress.step, self._sync_every)
-        for batch, micro, waited in self.train_batches.epoch(epoch, self.progress.samples_in_epoch):
+        while True:  # once, unless --oom_backoff runs a window again at a smaller batch
+            batches = self.train_batches.epoch(epoch, self.progress.samples_in_epoch)
+            try:
+                self._steps(epoch, meter, sync, batches)
+            except BackedOff:
+                continue  # the window again, from its first sample, at the new micro-batch
+            finally:
+                close = getattr(batches, "close", None)
+                if close is not None:  # now: a window run again reads its batches afresh
+                    close()
+            break
+        # A hook's stop agreed here waits for validation: the epoch ends as any other.
+        totals, stop, _ = self._sync(sync, meter)
+        if stop:
+            save_mid_epoch(self, meter, totals, stop)
+        return meter.sums.summarize(totals)
+
+    def _steps(self, epoch: int, meter: EpochMeter, sync: Sync, batches: Any) -> None:
+        """The epoch's optimizer steps, from the position reached."""
+        cfg, backoff = self.config, self.backoff
+        for batch, micro, waited in batches:
             meter.wait += waited
             sync.wait += waited
             skipped = self.skips.covers(self.progress.step + 1)  # read, not trained on
             if not skipped:
-                self.last_inputs = forward_backward(self, batch, micro, meter.sums)
+                self.last_inputs = (
+                    backoff.micro_step(self, batch, micro, meter.sums) if backoff.armed
+                    else forward_backward(self, batch, micro, meter.sums)
+                )
             if not micro.ends_window:
                 continue
+            if backoff.armed:
+                if not skipped:
+                    backoff.window_done(self)  # every rank is past its micro-steps
+                backoff.stepped()
             verdict = skipped_step(self) if skipped else optimizer_step(self, meter.sums)
             self.verdicts.settle(self.progress)  # the step before's: done on the device
             self.progress.step += 1
@@ -379,11 +408,6 @@ class Trainer:
                 steered = not stop and self.steer.agree(self.ctx, flags)
                 if save_now or stop or steered:
                     save_mid_epoch(self, meter, totals, stop, steered)
-        # A hook's stop agreed here waits for validation: the epoch ends as any other.
-        totals, stop, _ = self._sync(sync, meter)
-        if stop:
-            save_mid_epoch(self, meter, totals, stop)
-        return meter.sums.summarize(totals)
 
     def _row_head(self, epoch: int, meter: EpochMeter) -> tuple[dict[str, Any], Any]:
         """What a train row takes from the step it is logged at, and the interval's timing."""
@@ -433,15 +457,7 @@ class Trainer:
 
     def plan(self) -> RunPlan:
         """The run's arithmetic (see `ddptrain.train.plan`)."""
-        return make_plan(
-            self.config, self.data, self.ctx.world_size, str(self.ctx.device),
-            self.ctx.backend or "none", self.precision.describe(), self.task.name,
-            self.parameter_count, self.choice, self.steps_per_epoch, frozen=self.frozen,
-            groups=self.optimization.lines, freed=nf4_freed(self.module, self.lora, self.config),
-            trained_bytes=sum(nbytes(p) for p in self.module.parameters() if p.requires_grad),
-            experts=(sum(p.numel() for p in experts), sum(nbytes(p) for p in experts))
-            if (experts := expert_parameters(self.module)) else None,
-        )
+        return plan_of(self)
 
     def _stopping(self) -> bool:
         """A stop to agree on at the next sync: a signal, or a log that rank 0 cannot write."""
