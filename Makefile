@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 RUNTIME := $(VENV)/.runtime-0.5
 STAMP  := $(VENV)/.installed-0.5
 
-.PHONY: setup demo test test-fast test-slow test-heavy lint typecheck clean mutants
+.PHONY: setup demo test test-fast test-slow test-heavy lint typecheck clean mutants docs docs-serve
 
 setup: $(STAMP)
 
@@ -91,6 +91,15 @@ typecheck: $(STAMP)
 
 clean:
 	rm -rf runs .pytest_cache
+
+# The documentation site (docs/, mkdocs.yml) into site/: the flag reference is written from
+# TrainingConfig first (scripts/flag_reference.py, through the hook in mkdocs.yml), and a
+# broken link or anchor fails the build. docs-serve rebuilds it as you edit.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(VENV)/bin/mkdocs serve
 
 # Benchmarks: ddptrain against a hand-written DDP loop, Lightning Fabric and HF Accelerate
 # (bench/run.py; writes docs/BENCHMARKS.md and docs/benchmarks.png). The competitors live

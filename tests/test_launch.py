@@ -109,8 +109,9 @@ def test_ddprun_ends_a_failed_job_with_the_ranks_line_and_code(tmp_path: Path) -
 
 
 def test_ddprun_is_the_launchers_console_name_and_the_readme_launches_with_it() -> None:
-    """pyproject declares `ddprun` for `ddptrain.launch.torchrun:main`, and no README
-    command starts jobs with plain torchrun (whose failures end in its traceback)."""
+    """pyproject declares `ddprun` for `ddptrain.launch.torchrun:main`, and no command of
+    the README or of the guides it links (docs/ but the generated benchmark report) starts
+    jobs with plain torchrun (whose failures end in its traceback)."""
     import tomllib
 
     from ddptrain.launch import torchrun
@@ -119,8 +120,15 @@ def test_ddprun_is_the_launchers_console_name_and_the_readme_launches_with_it() 
     scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["ddprun"] == "ddptrain.launch.torchrun:main"
     assert callable(torchrun.main)
-    plain = [line for line in (root / "README.md").read_text().splitlines()
-             if line.lstrip().startswith("torchrun ")]
+    pages = [root / "README.md", *sorted(p for p in (root / "docs").rglob("*.md")
+                                         if p.name != "BENCHMARKS.md")]
+    plain = []
+    for page in pages:
+        fenced = False  # commands are in code blocks; prose may name torchrun
+        for line in page.read_text().splitlines():
+            fenced ^= line.lstrip().startswith("```")
+            if fenced and line.lstrip().startswith("torchrun "):
+                plain.append(f"{page.name}: {line}")
     assert plain == [], plain
 
 
