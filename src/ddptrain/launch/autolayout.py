@@ -39,8 +39,10 @@ AUTO = AUTO_BATCH  # `--batch_size auto`, as the config holds it
 # What the choice sets, and what config.yaml gives back to a resume
 CHOSEN = ("strategy", "dp_replicate", "tp", "pp", "ep", "activation_checkpointing",
           "batch_size", "grad_accum_steps")
-# A CPU rank's rough figures for the ranking (FLOP/s; GB/s over loopback and a network)
+# A CPU rank's rough figures for the ranking (FLOP/s; GB/s over loopback and a network;
+# seconds a collective call costs beyond its bytes, gloo's and the Python around it)
 CPU_CARD = (5e10, 2.0, 1.0)
+CPU_LATENCY_S = 1e-3
 
 
 def wanted(config: TrainingConfig) -> bool:
@@ -72,7 +74,7 @@ def choose(config: TrainingConfig, vocab_size: int | None, world: int, local_wor
     args = argparse.Namespace(
         nodes=nodes, gpus_per_node=per_node, block_size=config.block_size,
         optimizer=config.optimizer, margin=0.1, mfu=0.4, use_amp=config.use_amp,
-        amp_dtype=config.amp_dtype)
+        amp_dtype=config.amp_dtype, latency_s=2e-5 if device.type == "cuda" else CPU_LATENCY_S)
     fits, over = plan(args, model, world, batch, card)
     if config.layout != "auto":  # the flags' layout: only its micro-batch is chosen
         fits = [p for p in fits if _same_layout(p.candidate, config)]

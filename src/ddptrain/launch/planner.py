@@ -20,16 +20,17 @@ depth (`measure`): a 70B Llama on 64 ranks plans in about 2 minutes on 2 CPU cor
 
 What fits is ranked by a stated cost model: the step's FLOPs (counted as MFU counts them,
 `observe.flops`; a third more under block recompute) at `--mfu` of the card's dense bf16
-peak; the data-parallel traffic (ddp's all-reduce of the gradients, fsdp's two
-all-gathers of the weights and one reduce-scatter of the gradients, in bf16 under
-autocast; by formula: `fake_step` counts the calls and bytes, the test of the probe
+peak; the data-parallel traffic (ddp's all-reduce of the gradients, fsdp's all-gathers
+of the weights in each micro-step's forward and backward and one reduce-scatter of the
+gradients a step, in bf16 under autocast; by formula: `fake_step` counts the calls and bytes, the test of the probe
 checks them against torch's flight recorder) over the network between nodes, or the
 links inside one (`GPUS`), overlapped with compute; tensor parallelism's four all-reduces
 of a layer's activations per micro-step, inside a node, not overlapped; a pipeline's
 (`--pp` 2, 4, 8 dividing the blocks, fsdp inside each stage, pp micro-batches a
 micro-step) bubble, each stage idle pp - 1 of 1F1B's 2pp - 1 slots, and its activations
 sent on and their gradients back. Not modelled: other schedules, pp with tp, kernels'
-efficiency by shape, network congestion, stragglers. The memory is measured with the
+efficiency by shape, network congestion, stragglers; each collective call costs
+`--latency_us` beyond its bytes (`ranking.calls`). The memory is measured with the
 CPU's kernels, whose temporaries (attention's among them) may differ from a GPU's.
 """
 
@@ -130,6 +131,8 @@ def build_parser() -> ErrorParser:
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--margin", type=float, default=0.1,
                         help="the share of memory kept free (allocator, NCCL buffers)")
+    parser.add_argument("--latency_us", type=float, default=20.0,
+                        help="microseconds each collective call costs beyond its bytes")
     parser.add_argument("--mfu", type=float, default=0.4,
                         help="the share of the bf16 peak the step's compute is assumed to reach")
     parser.add_argument("--top", type=int, default=5)
@@ -138,6 +141,7 @@ def build_parser() -> ErrorParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    args.latency_s = args.latency_us * 1e-6
     card = _card(args)
     world = args.nodes * args.gpus_per_node
     if world < 1 or args.gpus_per_node < 1:

@@ -27,7 +27,11 @@ def cost(c: Candidate, model: Model, world: int, args: Any,
     crosses_nodes = args.nodes > 1 and c.dp_replicate == 1 and world // c.pp > args.gpus_per_node
     bandwidth = (inter if crosses_nodes else intra) * 1e9
     share = (dp - 1) / dp if dp > 1 else 0.0
-    traffic = (3 if c.strategy == "fsdp" else 2) * weights * share
+    # fsdp gathers the weights in each micro-step's forward and backward (resharded after
+    # forward), reduce-scatters once a step (no sync while accumulating); inside a
+    # pipeline's stage they stay gathered through the step
+    gathers = 2 * (c.accum if c.pp == 1 else 1)
+    traffic = ((gathers + 1) if c.strategy == "fsdp" else 2) * weights * share
     if c.dp_replicate > 1:  # HSDP: shards inside a node, the replicas' all-reduce across
         traffic = 3 * weights * share
         across = 2 * weights / (dp // c.dp_replicate) * (c.dp_replicate - 1) / c.dp_replicate
@@ -41,8 +45,20 @@ def cost(c: Candidate, model: Model, world: int, args: Any,
     # nodes where the stages are (pp is the mesh's outermost dimension)
     stages = (2 * activation * c.accum / ((inter if args.nodes > 1 else intra) * 1e9)
               if c.pp > 1 else 0.0)
-    step = max(compute, data) + tensor + stages
+    step = max(compute, data) + tensor + stages + calls(c, model, gathers) * getattr(
+        args, "latency_s", 2e-5)
     return step, sequences * args.block_size / step / world, flops / (step * world * peak)
+
+
+def calls(c: Candidate, model: Model, gathers: int) -> int:
+    """Collectives a rank launches a step, each paying the link's latency: fsdp's gathers
+    and reduce-scatter for each of its units (the blocks and the root), ddp's bucket
+    all-reduces (25 MB of fp32 gradients each), tp's four a block a micro-step, a
+    pipeline's sends and receives."""
+    units = model.layers + 1
+    data = units * (gathers + 1) if c.strategy == "fsdp" else -(-4 * model.parameters // 25e6)
+    tensor = 4 * model.layers * c.accum if c.tp > 1 else 0
+    return int(data + tensor + (4 * c.accum * c.pp if c.pp > 1 else 0))
 
 
 def table(planned: list[Planned], args: Any, world: int, batch: int,
