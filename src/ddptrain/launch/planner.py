@@ -22,8 +22,8 @@ What fits is ranked by a stated cost model: the step's FLOPs (counted as MFU cou
 `observe.flops`; a third more under block recompute) at `--mfu` of the card's dense bf16
 peak; the data-parallel traffic (ddp's all-reduce of the gradients, fsdp's all-gathers
 of the weights in each micro-step's forward and backward and one reduce-scatter of the
-gradients a step, in bf16 under autocast; by formula: `fake_step` counts the calls and bytes, the test of the probe
-checks them against torch's flight recorder) over the network between nodes, or the
+gradients a step, in bf16 under autocast; by formula: `fake_step` counts the calls and
+bytes, the test of the probe checks them against torch's flight recorder) over the network between nodes, or the
 links inside one (`GPUS`), overlapped with compute; tensor parallelism's four all-reduces
 of a layer's activations per micro-step, inside a node, not overlapped; a pipeline's
 (`--pp` 2, 4, 8 dividing the blocks, fsdp inside each stage, pp micro-batches a
