@@ -20,18 +20,18 @@ depth (`measure`): a 70B Llama on 64 ranks plans in about 2 minutes on 2 CPU cor
 
 What fits is ranked by a stated cost model: the step's FLOPs (counted as MFU counts them,
 `observe.flops`; a third more under block recompute) at `--mfu` of the card's dense bf16
-peak; the data-parallel traffic (ddp's all-reduce of the gradients, fsdp's all-gathers
-of the weights in each micro-step's forward and backward and one reduce-scatter of the
+peak; the data-parallel traffic (ddp's all-reduce of the gradients, fsdp's all-gathers of
+the weights in each micro-step's forward and backward and one reduce-scatter of the
 gradients a step, in bf16 under autocast; by formula: `fake_step` counts the calls and
-bytes, the test of the probe checks them against torch's flight recorder) over the network between nodes, or the
-links inside one (`GPUS`), overlapped with compute; tensor parallelism's four all-reduces
-of a layer's activations per micro-step, inside a node, not overlapped; a pipeline's
-(`--pp` 2, 4, 8 dividing the blocks, fsdp inside each stage, pp micro-batches a
-micro-step) bubble, each stage idle pp - 1 of 1F1B's 2pp - 1 slots, and its activations
-sent on and their gradients back. Not modelled: other schedules, pp with tp, kernels'
-efficiency by shape, network congestion, stragglers; each collective call costs
-`--latency_us` beyond its bytes (`ranking.calls`). The memory is measured with the
-CPU's kernels, whose temporaries (attention's among them) may differ from a GPU's.
+bytes, the test of the probe checks them against torch's flight recorder) over the network
+between nodes, or the links inside one (`GPUS`), overlapped with compute; tensor
+parallelism's four all-reduces of a layer's activations per micro-step, inside a node, not
+overlapped; a pipeline's (`--pp` 2, 4, 8 dividing the blocks, fsdp inside each stage, pp
+micro-batches a micro-step) bubble, each stage idle pp - 1 of 1F1B's 2pp - 1 slots, and its
+activations sent on and their gradients back; and `--latency_us` for each collective call
+(`ranking.calls`). Not modelled: other schedules, pp with tp, kernels' efficiency by shape,
+network congestion, stragglers. The memory is measured with the CPU's
+kernels, whose temporaries (attention's among them) may differ from a GPU's.
 """
 
 from __future__ import annotations
