@@ -225,6 +225,12 @@ class ParallelSection:
         "package.module:fn, fn(model, stage, stages) returns that stage's module for a "
         "model that is not the built-in GPT under --pp",
     )
+    cp: int = _f(
+        1,
+        "context parallelism: ranks that split each sequence of a language model (Ulysses: "
+        "an all-to-all turns sequence shards into head shards around attention, and back); "
+        "they see the same batch; --block_size and the attention heads (/ --tp) must divide",
+    )
     ep: int = _f(1, "expert parallelism: each mixture-of-experts layer's experts spread over "
                  "this many data-parallel ranks (a divisor of their number; ddp or fsdp), tokens "
                  "sent to them and back with an all-to-all; 1: every rank holds every expert")
