@@ -29,7 +29,7 @@ def _config(**fields: Any) -> TrainingConfig:
 def test_mesh_layout_keeps_tp_innermost_and_derives_the_shards() -> None:
     layout = plan_mesh(_config(strategy="fsdp", dp_replicate=2, tp=2), 16, 8)
     assert layout == Layout(pp=1, dp_replicate=2, dp_shard=4, tp=2)
-    assert layout.mesh_shape == (1, 2, 4, 2)  # tp last: neighbouring ranks, one node
+    assert layout.mesh_shape == (1, 2, 4, 1, 2)  # tp last: neighbouring ranks, one node
     assert (layout.world_size, layout.data_parallel) == (16, 8)
     choice = resolve_strategy(_config(strategy="fsdp", tp=2), 4, "cpu")
     assert choice.label == "fsdp; dp_shard 2 x tp 2" and choice.checkpoint_kind == "dcp"
@@ -39,9 +39,14 @@ def test_mesh_layout_keeps_tp_innermost_and_derives_the_shards() -> None:
 
 
 @pytest.mark.parametrize(("fields", "world", "message"), [
-    ({"tp": 3}, 4, "world size 4 is not dp_replicate 1 x data-parallel shards x tp 3 x pp 1"),
+    ({"tp": 3}, 4,
+     "world size 4 is not dp_replicate 1 x data-parallel shards x cp 1 x tp 3 x pp 1"),
+    ({"cp": 3}, 4, "cp 3 x tp 1 x pp 1: 1 x 3 x 1 x 1 = 3 does not divide 4 ranks"),
+    ({"cp": 2, "block_size": 33}, 4, "--cp 2 does not divide --block_size 33"),
+    ({"cp": 2, "tp": 2}, 4, "--cp 2 with --tp 2 --pp 1 needs --strategy fsdp"),
+    ({"cp": 2, "ep": 3}, 4, "--ep 3 does not divide the 4 data-parallel x cp ranks of 4"),
     ({"strategy": "fsdp", "dp_replicate": 3, "tp": 2}, 8, "6 does not divide 8 ranks"),
-    ({"pp": 3}, 4, "tp 1 x pp 3: 1 x 1 x 3 = 3 does not divide 4 ranks"),
+    ({"pp": 3}, 4, "tp 1 x pp 3: 1 x 1 x 1 x 3 = 3 does not divide 4 ranks"),
     ({"dp_replicate": 2}, 4, "--dp_replicate 2 is HSDP"),
     ({"tp": 2}, 4, "--strategy ddp does not compose with it"),
     ({"strategy": "zero", "tp": 2}, 2, "--tp 2 with --strategy zero is unsupported"),

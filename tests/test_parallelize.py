@@ -72,13 +72,14 @@ def test_the_device_mesh_is_built_in_one_place() -> None:
 
 def test_the_passes_run_in_their_written_order() -> None:
     assert [p.name for p in PASSES] == [
-        "freeze", "float8", "tp", "ep", "activation checkpointing"]
+        "freeze", "float8", "tp", "cp", "ep", "activation checkpointing"]
     plain = TrainingConfig()
     assert applied(plain, 1) == ["strategy"]
-    every = TrainingConfig(freeze=["embed.*"], tp=2, ep=2, activation_checkpointing="block",
-                           compile=True, strategy="fsdp")
+    every = TrainingConfig(freeze=["embed.*"], tp=2, cp=2, ep=2,
+                           activation_checkpointing="block", compile=True, strategy="fsdp")
     assert applied(every, 8, float8="tensorwise") == [
-        "freeze", "float8", "tp", "ep", "activation checkpointing", "strategy", "compile"]
+        "freeze", "float8", "tp", "cp", "ep", "activation checkpointing", "strategy",
+        "compile"]
 
 
 def test_parallelize_applies_the_passes_then_the_strategy() -> None:

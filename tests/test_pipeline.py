@@ -61,7 +61,7 @@ def test_bad_pipeline_flags_are_refused_before_the_group(
 
 def test_pipeline_stages_are_the_outermost_dimension() -> None:
     layout = plan_mesh(_config(pp=2, strategy="fsdp"), 8)
-    assert layout.mesh_shape == (2, 1, 4, 1)
+    assert layout.mesh_shape == (2, 1, 4, 1, 1)
     choice = resolve_strategy(_config(pp=2, strategy="fsdp"), 8, "cpu")
     assert choice.cls.__name__ == "Pipeline" and choice.checkpoint_kind == "dcp"
 

@@ -381,7 +381,7 @@ def test_doctor_prints_the_layouts_bytes_per_rank(
     (["--tp", "2"], "--tp 2 is the layout of a job of several ranks and this doctor runs as "
                     "one process: add --world_size N"),
     (["--tp", "3", "--world_size", "8", "--strategy", "fsdp"],
-     "world size 8 is not dp_replicate 1 x data-parallel shards x tp 3 x pp 1"),
+     "world size 8 is not dp_replicate 1 x data-parallel shards x cp 1 x tp 3 x pp 1"),
     (["--dp_replicate", "2", "--world_size", "4"], "--dp_replicate 2 is HSDP"),
     (["--tp", "0", "--world_size", "4"], "--tp 0 is invalid: use a positive number of ranks"),
     (["--ep", "3", "--world_size", "4"], "--ep 3 does not divide the 4 data-parallel ranks of 4"),

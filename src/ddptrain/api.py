@@ -181,7 +181,7 @@ def resolve_run(
                         iterable=data.iterable)
         strategy = resolve_strategy(config, cluster.world_size, device,
                                     cluster.local_world_size)
-    if model is None and (Layout.of(config).splits_model or config.ep > 1):
+    if model is None and (Layout.of(config).splits_model or config.ep > 1 or config.cp > 1):
         from ddptrain.models.factory import model_shape
         from ddptrain.parallel.resolve import check_model_layout
 

@@ -1,5 +1,5 @@
 """Command line: `ddptrain train | export | doctor | plan | plot | evaluate | predict | ray |
-diagnose`.
+diagnose | tokenize`.
 
     ddptrain train --dataset digits --epochs 3                       # one process
     torchrun --standalone --nproc_per_node=2 -m ddptrain train       # two ranks, one node
@@ -11,6 +11,7 @@ diagnose`.
     ddptrain predict runs/ddptrain --dataset digits --output p.npy   # ... and its outputs
     ddptrain ray --workers 2 --epochs 2                              # two Ray Train workers
     ddptrain diagnose runs/ddptrain                                  # who a lost peer was
+    ddptrain tokenize --dataset chat:chats.jsonl --tokenizer hf:DIR  # token ids stored once
 
 A wrong setting ends the run with one line, `ddptrain: error: ...`, and exit code 2; the
 other exit codes are listed in `ddptrain.errors`.
@@ -19,6 +20,7 @@ other exit codes are listed in `ddptrain.errors`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import gc
 import json
@@ -287,11 +289,36 @@ def _cmd_diagnose(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_tokenize(argv: list[str]) -> int:
+    from ddptrain.config import TrainingConfig
+    from ddptrain.data.tokenized import tokenize_to_files
+    from ddptrain.log import setup_logging
+
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(TrainingConfig)}
+    helps["dataset"] = ("chat:PATH or text:PATH, as ddptrain train takes it (PATH: a file or "
+                        "glob of .jsonl, .jsonl.gz or .parquet files)")
+    helps["model"] = "hf:DIR, whose directory's tokenizer is used when --tokenizer is not given"
+    parser = ErrorParser(
+        prog="ddptrain tokenize",
+        description="Tokenize a chat: or text: dataset once and store its token ids, "
+        "memory-mapped, with their checksums, beside its files (ddptrain_tokens/): a run "
+        "over the same files and tokenizer reads them instead of tokenizing.",
+    )
+    for name in ("dataset", "tokenizer", "model", "text_field"):
+        parser.add_argument(f"--{name}", default="text" if name == "text_field" else None,
+                            required=name == "dataset", help=helps[name])
+    args = parser.parse_args(argv)
+    setup_logging(0)
+    where = tokenize_to_files(args.dataset, args.tokenizer, args.model, args.text_field)
+    print(f"tokens of {args.dataset} in {where}", flush=True)
+    return 0
+
+
 COMMANDS = {
     "train": _cmd_train, "export": _cmd_export, "doctor": _cmd_doctor, "plan": _cmd_plan,
     "plot": _cmd_plot,
     "evaluate": _cmd_evaluate, "predict": _cmd_predict,
-    "ray": _cmd_ray, "diagnose": _cmd_diagnose,
+    "ray": _cmd_ray, "diagnose": _cmd_diagnose, "tokenize": _cmd_tokenize,
 }
 
 

@@ -111,7 +111,8 @@ def check_optimization(c: OptimizationSection) -> None:
                  "give GLOB=FACTOR with a positive factor (to train nothing: --freeze)")
 
 def check_parallel(c: ParallelSection) -> None:
-    _at_least(c, 1, "use a whole number of at least 1 (1: off)", "dp_replicate", "tp", "pp")
+    _at_least(c, 1, "use a whole number of at least 1 (1: off)",
+              "dp_replicate", "tp", "pp", "cp")
     _at_least(c, 1e-3, "use a positive number of GiB, or leave it unset", "device_memory")
     if c.tp_plan is not None and not is_import_ref(c.tp_plan):
         _bad("tp_plan", c.tp_plan, "give package.module:fn, fn(model, tp_mesh)")
@@ -191,7 +192,7 @@ def check_runtime(c: RuntimeSection) -> None:
 def check_across(c: TrainingConfig) -> None:
     """The rules that join fields of several sections, after each section's own."""
     if c.layout == "auto":
-        named = [f"--{f} {getattr(c, f)}" for f in ("tp", "pp", "dp_replicate", "ep")
+        named = [f"--{f} {getattr(c, f)}" for f in ("tp", "pp", "cp", "dp_replicate", "ep")
                  if getattr(c, f) != 1]
         if named:
             raise ConfigError(f"--layout auto chooses the layout, and {' '.join(named)} "

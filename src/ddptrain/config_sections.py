@@ -31,8 +31,17 @@ class DataSection:
     dataset: str = _f(
         DEFAULT_DATASET,
         "breast_cancer | digits | diabetes | synthetic | chars | path/to/data.npz (arrays x, "
-        "y) | path/to/x.npy (y.npy beside it, memory-mapped) | package.module:fn",
+        "y) | path/to/x.npy (y.npy beside it, memory-mapped) | package.module:fn | "
+        "chat:PATH (chats or prompt/completion rows, trained on the replies alone) | "
+        "text:PATH (documents in --text_field); PATH: a file or glob of .jsonl, .jsonl.gz or "
+        ".parquet files, tokenized by --tokenizer",
     )
+    tokenizer: str | None = _f(
+        None,
+        "hf:DIR, the tokenizer (save_pretrained's files, read from DIR alone) that turns a "
+        "chat: or text: dataset into token ids (default: --model hf:DIR's own)",
+    )
+    text_field: str = _f("text", "the field of a text: dataset's rows that holds the document")
     dataset_args: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "key=value arguments for a module:fn dataset"})
     mix: list[str] = field(default_factory=list, metadata={"metavar": "DATASET=WEIGHT", "help":

@@ -4,6 +4,7 @@ refused value."""
 
 from __future__ import annotations
 
+import glob
 import math
 import re
 from collections.abc import Callable
@@ -31,7 +32,13 @@ def npy_targets(inputs: Path) -> Path:
 def check_dataset(builtin: tuple[str, ...], ds: str, flag: str) -> None:
     """A dataset given by `flag`: one of `builtin`, an existing .npz, an x.npy with its
     y.npy, or package.module:fn."""
-    if ds.endswith(".npz") and not is_import_ref(ds):
+    kind, _, files = ds.partition(":")
+    if kind in ("chat", "text") and files:  # raw text or chats, tokenized as the run starts
+        if not (glob.glob(files, recursive=True) if glob.has_magic(files) else
+                Path(files).is_file()):
+            bad(flag, ds, f"no file matches {files!r}; give a path or a glob of .jsonl, "
+                ".jsonl.gz or .parquet files")
+    elif ds.endswith(".npz") and not is_import_ref(ds):
         if not Path(ds).is_file():
             bad(flag, ds, "no such file; give the path of an .npz with arrays x and y")
     elif ds.endswith(".npy") and not is_import_ref(ds):
@@ -42,7 +49,8 @@ def check_dataset(builtin: tuple[str, ...], ds: str, flag: str) -> None:
                 bad(flag, ds, f"no such file {str(path)!r}; put y.npy beside x.npy")
     elif not (ds in builtin or is_import_ref(ds)):
         bad(flag, ds, f"choose one of {', '.join(builtin)}, a path to an .npz or x.npy "
-            "file, or package.module:fn")
+            "file, chat:PATH or text:PATH (.jsonl, .jsonl.gz or .parquet files), or "
+            "package.module:fn")
 
 
 def step_ranges(values: list[Any]) -> list[tuple[int, int]]:

@@ -27,6 +27,7 @@ class DistributedContext:
     # rank's data-parallel rank and size. None: every rank is a data-parallel rank.
     mesh: Any = None
     data_parallel: tuple[int, int] | None = None
+    context_parallel: int = 1  # ranks that split each sequence (`parallel.cp`)
     owns_group: bool = True  # False: the group was adopted (Ray Train made it), not ours to end
 
     @property
@@ -43,6 +44,12 @@ class DistributedContext:
     def data_world(self) -> int:
         """How many shares the data is split into (the data-parallel ranks)."""
         return self.world_size if self.data_parallel is None else self.data_parallel[1]
+
+    @property
+    def grad_world(self) -> int:
+        """Over how many ranks gradients are averaged: the data-parallel ones, each with
+        its cp peers (whose losses are sums over their own slices of the same rows)."""
+        return self.data_world * self.context_parallel
 
     @property
     def counts_data(self) -> bool:

@@ -1,6 +1,6 @@
 """The layout of a job: how many ranks each way of parallelism takes, as one value.
 
-    world size = pp x dp_replicate x dp_shard x cp x tp        (ep borrows dp ranks)
+    world size = pp x dp_replicate x dp_shard x cp x tp        (ep borrows dp x cp ranks)
 
 `Layout.of(config, world_size)` reads the degrees from the flags; every question the code
 asks of them is answered here, once: whether the model is split across ranks
@@ -8,7 +8,7 @@ asks of them is answered here, once: whether the model is split across ranks
 plan, the summary and `ddptrain doctor` print (`name`). Whether the degrees fit the world
 size, the strategy and the model is checked before the process group
 (`parallel.mesh.plan_mesh`, `parallel.resolve`); the device mesh is built from the value
-(`parallel.mesh.build_mesh`). `cp` is 1 until context parallelism lands.
+(`parallel.mesh.build_mesh`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ddptrain.config_sections import ParallelSection
 
 # the mesh's dimensions, outermost first (`parallel.mesh` says why this order)
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -30,21 +30,21 @@ class Layout:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
-    ep: int = 1  # expert groups of this many data-parallel ranks (`parallel.ep`)
+    ep: int = 1  # expert groups of this many data-parallel (x cp) ranks (`parallel.ep`)
 
     @classmethod
     def of(cls, config: ParallelSection, world_size: int | None = None) -> Layout:
         """The layout `config`'s flags ask of `world_size` ranks (unknown: as many as the
         fixed degrees take, one data-parallel shard); a world the degrees do not divide
         keeps its remainder out of `dp_shard` (`parallel.mesh.plan_mesh` refuses it)."""
-        fixed = config.dp_replicate * config.tp * config.pp
+        fixed = config.dp_replicate * config.cp * config.tp * config.pp
         shard = max(1, world_size // fixed) if world_size is not None else 1
         return cls(pp=config.pp, dp_replicate=config.dp_replicate, dp_shard=shard,
-                   tp=config.tp, ep=config.ep)
+                   cp=config.cp, tp=config.tp, ep=config.ep)
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+    def mesh_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @property
     def world_size(self) -> int:
@@ -55,6 +55,12 @@ class Layout:
         """Ranks that train on different data: replicas x shards (the ranks that split
         a model, by layers or by stages, share their batch)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def token_ranks(self) -> int:
+        """Ranks that hold other tokens of the global batch: the data-parallel ones, each
+        with its cp peers (other slices of the same rows). Expert groups are made of them."""
+        return self.data_parallel * self.cp
 
     @property
     def model_split(self) -> int:
@@ -86,7 +92,7 @@ class Layout:
         (`fsdp; dp_shard 2 x tp 2`), under ddp, which a split model takes only without
         data parallelism, the dimensions alone (`tp 2`), and where the experts live
         (`ddp; ep 2 over dp`)."""
-        experts = f"; ep {self.ep} over dp" if self.ep > 1 else ""
+        experts = f"; ep {self.ep} over {'dp x cp' if self.cp > 1 else 'dp'}" if self.ep > 1 else ""
         if self.plain:
             return strategy + experts
         dims = " x ".join(d for d in self.describe().split(" x ") if not d.endswith(" 1"))

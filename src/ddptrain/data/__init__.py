@@ -6,6 +6,9 @@
 | `bundle` | `DataBundle` (train, val, a collate) and the `DataFacts` a task and a model read |
 | `hf` | Hugging Face `datasets` (map-style and iterable) taken as they are |
 | `mix` | `--mix`: several datasets drawn by weight, position by position, as one; `--val`'s sets |
+| `tokenized` | `chat:PATH` / `text:PATH`: raw text and chats through the model's tokenizer |
+| `chat`, `rowfiles` | a chat's replies as labels; files' rows, and the rows set aside |
+| `tokenizer` | `--tokenizer hf:DIR` (default `--model hf:DIR`'s), read from the directory alone |
 | `pack` | `--pack`: token documents end to end in windows, each positioned and masked alone |
 | `arrays`, `text` | in-memory and memory-mapped arrays sliced a batch at a time; the chars corpus |
 | `epoch` | the epoch plan: global micro-batches split evenly over ranks, positions |

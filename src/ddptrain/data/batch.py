@@ -173,10 +173,13 @@ class Output:
 class ModelCall:
     """Calls a module with a batch's inputs the way its `forward` wants them."""
 
-    def __init__(self, module: nn.Module, packed: bool = False) -> None:
+    def __init__(self, module: nn.Module, packed: bool = False, split: Any = None) -> None:
         """`packed` (`--pack`): a model that takes an `attention_mask` (a Hugging Face
         one, whose attention does not read documents from `position_ids`, as its flash
-        attention does) gets the windows' block-diagonal causal mask as it."""
+        attention does) gets the windows' block-diagonal causal mask as it. `split`
+        (`--cp`, a `parallel.cp.ContextParallel`): the model takes this rank's slice of
+        each sequence (`prepare`), and its attention sees the whole sequence."""
+        self.split = split
         try:
             params = inspect.signature(module.forward).parameters
         except (TypeError, ValueError):
@@ -185,7 +188,12 @@ class ModelCall:
         self.names = set(params)
         attention = str(getattr(getattr(module, "config", None), "_attn_implementation", ""))
         self.mask_packed = packed and "attention_mask" in self.names and (
-            not attention.startswith("flash"))
+            not attention.startswith("flash")) and split is None
+
+    def prepare(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
+        """A batch's (inputs, targets) as the model takes them: this rank's slices under
+        --cp, else as they are."""
+        return (inputs, targets) if self.split is None else self.split.shard(inputs, targets)
 
     def __call__(self, model: nn.Module, inputs: Any) -> Output:
         if isinstance(inputs, Mapping):

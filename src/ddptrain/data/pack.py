@@ -7,12 +7,14 @@ A dataset for `--pack` yields documents: a 1-D sequence of token ids (a tensor, 
 a list) or a dict with `input_ids` (a Hugging Face dataset's rows), map-style. The
 documents, in the dataset's order, are laid end to end and cut into windows of
 `--block_size` tokens (the last one padded); a window is a dict in the Hugging Face
-convention: `input_ids`, `labels` (the same ids; the lm task predicts label t + 1 from
-position t) and `position_ids`, which count from 0 at the start of each document's piece
-in the window. The label of each piece's first token is -100, so no token is predicted
-across a boundary, and `document_mask` turns the positions into the block-diagonal causal
-mask that keeps each piece's attention inside it: the built-in GPT builds it from
-`position_ids`, a Hugging Face model gets it as its 4-D `attention_mask` (`ModelCall`).
+convention: `input_ids`, `labels` (the same ids, or the document's own `labels` where it
+gives them, -100 on the tokens nothing is trained to predict, such as a chat's prompt; the
+lm task predicts label t + 1 from position t) and `position_ids`, which count from 0 at
+the start of each document's piece in the window. The label of each piece's first token
+is -100, so no token is predicted across a boundary, and `document_mask` turns the
+positions into the block-diagonal causal mask that keeps each piece's attention inside
+it: the built-in GPT builds it from `position_ids`, a Hugging Face model gets it as its
+4-D `attention_mask` (`ModelCall`).
 A document that fits a window is then scored exactly as if it ran alone; a longer one is
 cut, each piece a document of its own. Windows are samples like any other: how they fall
 on ranks, every window once, a mid-epoch resume are the epoch plan's. The run logs how
@@ -69,6 +71,20 @@ def _tokens(document: Any, where: str) -> torch.Tensor:
     return tensor.long()
 
 
+def _labels(document: Any, tokens: torch.Tensor, where: str) -> torch.Tensor:
+    """A document's own `labels` (a dict's, as long as its `input_ids`), else its ids."""
+    given = document.get("labels") if isinstance(document, Mapping) else None
+    if given is None:
+        return tokens
+    labels = torch.as_tensor(given)
+    if labels.shape != tokens.shape or labels.is_floating_point():
+        raise ConfigError(
+            f"--pack: {where} gives labels of {tuple(labels.shape)} {labels.dtype} for "
+            f"{len(tokens)} input_ids: give one integer label a token (-100: not trained)"
+        )
+    return labels.long()
+
+
 def check_ids(tokens: torch.Tensor, vocab_size: int | None, which: str) -> None:
     """Refuse a token id outside 0..vocab_size-1 (`vocab_size` None: a negative one), naming
     `which` (the document) holds it: one min and one max of ids already read."""
@@ -110,9 +126,14 @@ class Packed(Dataset):
         self.documents, self.block_size, self.vocab_size = documents, block_size, vocab_size
         count = len(documents)  # type: ignore[arg-type]
         lengths = []
+        masked: dict[int, np.ndarray] = {}  # the documents with labels of their own
         for i in range(count):  # each document read once: its length, its ids' range
-            tokens = _tokens(documents[i], where)
+            document = documents[i]
+            tokens = _tokens(document, where)
             check_ids(tokens, vocab_size, f"document {i} of {where}")
+            labels = _labels(document, tokens, f"document {i} of {where}")
+            if labels is not tokens:
+                masked[i] = (labels != IGNORE).numpy()
             lengths.append(len(tokens))
         self.starts = [0, *np.cumsum(lengths, dtype=np.int64).tolist()]
         self.documents_count = count
@@ -129,6 +150,14 @@ class Packed(Dataset):
         alone = -(-(b - a) // block_size)
         self.trained_alone = int((b - a - alone).sum())
         self.padded = int(alone.sum()) * block_size
+        for i, trains in masked.items():
+            if not len(trains):
+                continue  # labels of their own: only those trained count
+            a0, n = self.starts[i], len(trains)
+            cuts, cuts_alone = _cuts(a0, n, block_size), np.arange(0, n, block_size)
+            self.trained -= (n - len(cuts)) - int(trains.sum() - trains[cuts].sum())
+            self.trained_alone -= (n - len(cuts_alone)) - int(
+                trains.sum() - trains[cuts_alone].sum())
         if not self.trained:
             raise nothing_to_predict(where, block_size)
 
@@ -138,16 +167,19 @@ class Packed(Dataset):
     def __getitem__(self, w: int) -> dict[str, torch.Tensor]:
         lo = w * self.block_size
         hi = min(lo + self.block_size, self.tokens)
-        ids, positions = [], []
+        ids, labels, positions = [], [], []
         d = bisect.bisect_right(self.starts, lo) - 1
         while d < self.documents_count and self.starts[d] < hi:
             a, b = max(lo, self.starts[d]), min(hi, self.starts[d + 1])
             if b > a:
-                doc = _tokens(self.documents[d], "the dataset")
-                ids.append(doc[a - self.starts[d]:b - self.starts[d]])
+                document = self.documents[d]
+                doc = _tokens(document, "the dataset")
+                piece = slice(a - self.starts[d], b - self.starts[d])
+                ids.append(doc[piece])
+                labels.append(_labels(document, doc, "the dataset")[piece])
                 positions.append(torch.arange(b - a))
             d += 1
-        return _window(ids, positions, self.block_size)
+        return _window(ids, positions, self.block_size, labels)
 
     @property
     def efficiency(self) -> float:
@@ -155,20 +187,27 @@ class Packed(Dataset):
         return self.trained / (len(self) * self.block_size)
 
 
-def _window(ids: list[torch.Tensor], positions: list[torch.Tensor], block_size: int
-            ) -> dict[str, torch.Tensor]:
+def _cuts(start: int, length: int, block_size: int) -> np.ndarray:
+    """The offsets in a document at `start` of the stream where its pieces begin: its
+    first token and each token a window starts at."""
+    first = -(-start // block_size) * block_size - start
+    return np.unique(np.concatenate([[0], np.arange(first, length, block_size)])).astype(
+        np.int64)
+
+
+def _window(ids: list[torch.Tensor], positions: list[torch.Tensor], block_size: int,
+            labels: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """A window's dict from its pieces (padded to `block_size` with a piece of its own
-    that nothing is trained on)."""
+    that nothing is trained on); `labels`: the pieces' own (default: their ids)."""
     pad = block_size - sum(len(x) for x in ids)
+    pieces = ids if labels is None else labels
     if pad:
         ids, positions = [*ids, torch.zeros(pad, dtype=torch.long)], [*positions,
                                                                      torch.arange(pad)]
     input_ids, position_ids = torch.cat(ids), torch.cat(positions)
-    labels = input_ids.clone()
-    labels[position_ids == 0] = IGNORE
-    if pad:
-        labels[-pad:] = IGNORE
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+    targets = torch.cat([*pieces, torch.full((pad,), IGNORE, dtype=torch.long)])
+    targets[position_ids == 0] = IGNORE
+    return {"input_ids": input_ids, "labels": targets, "position_ids": position_ids}
 
 
 class PackedStream(IterableDataset):
@@ -188,23 +227,28 @@ class PackedStream(IterableDataset):
         skip, self._skip = self._skip, 0
         self.given = 0
         ids: list[torch.Tensor] = []
+        labels: list[torch.Tensor] = []
         positions: list[torch.Tensor] = []
         fill = trained = 0
         for n, document in enumerate(self.documents):
+            which = f"document {n} of {self.where} (a stream)"
             tokens = _tokens(document, self.where)
-            check_ids(tokens, self.vocab_size, f"document {n} of {self.where} (a stream)")
+            check_ids(tokens, self.vocab_size, which)
+            targets = _labels(document, tokens, which)
             while len(tokens):
-                trained += min(len(tokens), self.block_size - fill) - 1
                 piece = tokens[:self.block_size - fill]
                 ids.append(piece)
+                labels.append(targets[:len(piece)])
+                trained += int((labels[-1][1:] != IGNORE).sum())
                 positions.append(torch.arange(len(piece)))
                 fill += len(piece)
-                tokens = tokens[len(piece):]
+                tokens, targets = tokens[len(piece):], targets[len(piece):]
                 if fill == self.block_size:
-                    yield from self._give(_window(ids, positions, self.block_size), skip)
-                    ids, positions, fill = [], [], 0
+                    yield from self._give(
+                        _window(ids, positions, self.block_size, labels), skip)
+                    ids, labels, positions, fill = [], [], [], 0
         if fill:
-            yield from self._give(_window(ids, positions, self.block_size), skip)
+            yield from self._give(_window(ids, positions, self.block_size, labels), skip)
         if self.given and not trained:  # a whole pass, and no loss counted
             raise nothing_to_predict(self.where, self.block_size)
 

@@ -4,7 +4,9 @@ Built in (no download): `breast_cancer` (30 features, 2 classes, seed 004's clas
 `digits` (1x8x8 images, 10 classes), `diabetes` (10 features, a float target: regression),
 `synthetic` (3x32x32 images for throughput work) and `chars` (a character-level corpus for
 `--model gpt`, see `ddptrain.data.text`). Users bring `path/to/data.npz` (arrays `x`, `y`),
-`path/to/x.npy` with `y.npy` beside it (memory-mapped, never loaded whole), or
+`path/to/x.npy` with `y.npy` beside it (memory-mapped, never loaded whole), files of raw
+text or chats tokenized as the run starts (`chat:PATH`, `text:PATH`:
+`ddptrain.data.tokenized`), or
 `package.module:fn` returning `(train, val)`, `{'train': ..., 'val': ...}` (a Hugging Face
 `DatasetDict`), or one dataset that `--val_fraction` splits; a map-style `Dataset`, an
 `IterableDataset` or a Hugging Face `datasets` one (`ddptrain.data.hf`). The train/val
@@ -35,6 +37,7 @@ from ddptrain.data.batch import first_tensor, split
 from ddptrain.data.bundle import DataBundle, DataFacts, attr_through
 from ddptrain.data.mix import load_mixture, refuse_unlike, with_val_sets
 from ddptrain.data.pack import pack_bundle
+from ddptrain.data.tokenized import is_tokenized, load_tokenized
 from ddptrain.errors import ConfigError
 from ddptrain.plugins import call_factory, load_ref
 
@@ -344,6 +347,9 @@ def load_data(config: TrainingConfig, num_labels: int | None = None) -> DataBund
         "breast_cancer": _breast_cancer, "digits": _digits, "diabetes": _diabetes,
         "synthetic": _synthetic, "chars": _chars,
     }
+    if is_tokenized(config.dataset):  # chat:PATH, text:PATH: files of text, tokenized here
+        return load_tokenized(config, lambda n: split_indices(
+            n, val_fraction(config), config.seed))
     if config.pack and not names_code("dataset", config.dataset):
         raise ConfigError(
             f"--pack packs token documents, and --dataset {config.dataset!r} gives fixed "

@@ -72,6 +72,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.register_load_state_dict_pre_hook(self._from_fused_rows)
+        # --cp: the ranks that split each sequence (`parallel.cp`); attention over theirs
+        self.context_parallel: Any = None
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """`mask`: (B, 1, T, T) bool, where each position may attend (causal within each
@@ -82,10 +84,12 @@ class CausalSelfAttention(nn.Module):
         # (B, T, heads, 3, head_dim) -> three (B, heads, T, head_dim): the layout
         # scaled_dot_product_attention takes.
         q, k, v = (z.transpose(1, 2) for z in qkv.view(b, t, heads, 3, self.head_dim).unbind(3))
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask is None,
-        )
+        dropout = self.dropout if self.training else 0.0
+        if self.context_parallel is not None:  # the whole sequence's mask is its own
+            y = self.context_parallel.attention(q, k, v, dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                               is_causal=mask is None)
         y = y.transpose(1, 2).contiguous().view(b, t, heads * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
@@ -183,8 +187,11 @@ class GPT(nn.Module):
                 f"sequence length {t} exceeds the model's block_size "
                 f"{self.config.block_size}: shorten the input or build a larger model"
             )
-        mask = None if position_ids is None else document_mask(position_ids)
-        pos = torch.arange(t, device=idx.device) if position_ids is None else position_ids
+        # under --cp the positions are a slice's, and attention builds the whole mask
+        split = self.blocks[0].attn.context_parallel if len(self.blocks) else None
+        mask = None if position_ids is None or split is not None else document_mask(position_ids)
+        pos = position_ids if position_ids is not None else (
+            torch.arange(t, device=idx.device) if split is None else split.positions(t, idx.device))
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x) if mask is None else block(x, mask)

@@ -67,11 +67,11 @@ class DDP(Strategy):
     def _spread_experts(self, module: nn.Module) -> None:
         """`--ep`: each rank keeps its experts (spread by the `parallel.ep` pass). An
         expert's gradient arrives summed over its group's tokens: divided by every
-        data-parallel rank here, as DDP averages the rest, and summed over the groups in
+        data-parallel (x cp) rank here, as DDP averages the rest, and summed over the groups in
         `finish_gradients`."""
         mesh = ep_mesh(self.ctx, self.config.ep)
         experts = expert_params(module)
-        world = self.ctx.data_world
+        world = self.ctx.grad_world
         for p in experts.values():
             p.register_hook(lambda grad: grad / world)
         self._experts = list(experts.values())

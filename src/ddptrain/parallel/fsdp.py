@@ -77,10 +77,10 @@ class FSDP(Strategy):
 
     @property
     def shards_data(self) -> bool:
-        """Whether there are data-parallel ranks to shard over. `--strategy fsdp` shards
-        whatever their number; a model split by tp or pp wraps nothing in FSDP without
-        them, whose hooks would run in every step for nothing."""
-        return self.ctx.data_world > 1 or self.layout.plain
+        """Whether there are data-parallel (or cp) ranks to shard over. `--strategy fsdp`
+        shards whatever their number; a model split by tp or pp wraps nothing in FSDP
+        without them, whose hooks would run in every step for nothing."""
+        return self.ctx.grad_world > 1 or self.layout.plain
 
     def __init__(
         self, ctx: DistributedContext, config: TrainingConfig,
@@ -158,14 +158,14 @@ class FSDP(Strategy):
         pass) sharded over the ranks that hold the same ones (`dp_mod_ep`), in a unit of
         their own: the layer's other modules (the router) get theirs, on every rank. Each
         expert's gradient arrives summed over its group's tokens; the reduce-scatter
-        sums it over `dp_mod_ep` and divides by every data-parallel rank."""
+        sums it over `dp_mod_ep` and divides by every data-parallel (x cp) rank."""
         replicas = ep_mesh(self.ctx, self.config.ep)["dp_mod_ep"]
         for _, layer in expert_layers(module):
             for child in layer.children():
                 if count_parameters(child):
                     fully_shard(child, **kwargs)
             unit = fully_shard(layer, **{**kwargs, "mesh": replicas})
-            unit.set_gradient_divide_factor(float(self.ctx.data_world))
+            unit.set_gradient_divide_factor(float(self.ctx.grad_world))
             # gloo has no pre-scaled sum: a sum, then the division. Not for a lone holder,
             # whose gradient torch 2.13 would divide twice that way.
             unit.set_force_sum_reduction_for_comms(replicas.size() > 1)

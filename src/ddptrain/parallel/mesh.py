@@ -1,20 +1,22 @@
 """The device mesh: how the ranks of a job are laid out over the ways of parallelism.
 
-    world size = pp x dp_replicate x dp_shard x tp
+    world size = pp x dp_replicate x dp_shard x cp x tp
 
 `plan_mesh` reads the degrees from the config and checks them against the world size
 before any process group starts (one `ConfigError` line each); `attach_mesh` builds the
 `DeviceMesh` once the group is up and gives it to the run's `DistributedContext`, with this
 rank's data-parallel coordinates, which the data, the loss scale and the metric sums use.
 It is the job's one mesh: every other group is one of its submeshes (`fsdp_mesh`,
-`tp_mesh`, `pp_mesh`), or made from them (`ep_mesh`: the data-parallel ranks flattened,
-then cut into expert groups).
+`tp_mesh`, `pp_mesh`, `cp_mesh`), or made from them (`ep_mesh`: the data-parallel ranks
+flattened, then cut into expert groups; under cp, FSDP shards over `dp_shard x cp`
+flattened).
 
 The dimensions run from the outermost to the innermost, and ranks next to each other in
 the innermost dimension are neighbours in the launcher's numbering (torchrun and Slurm
 number a node's processes together). So tensor parallelism, which talks at every layer,
-stays inside a node (`LOCAL_WORLD_SIZE` ranks) when `tp` divides it; under HSDP the FSDP
-shards (`dp_shard x tp` ranks) do too, and only the replicas' gradient all-reduce crosses
+stays inside a node (`LOCAL_WORLD_SIZE` ranks) when `tp` divides it, and so do the cp
+ranks' all-to-alls (4 a layer) next to it; under HSDP the FSDP shards (`dp_shard x cp x
+tp` ranks) do too, and only the replicas' gradient all-reduce crosses
 nodes. Pipeline stages are the outermost dimension: a stage sends one activation per
 micro-batch to the next, the least traffic of all, so stages may sit on different nodes.
 
@@ -49,7 +51,7 @@ def plan_mesh(
 ) -> Layout:
     """The layout of `world_size` ranks the config asks for, or a ConfigError naming the
     numbers that do not fit. Called before any process group starts."""
-    r, t, p = config.dp_replicate, config.tp, config.pp
+    r, t, p, c = config.dp_replicate, config.tp, config.pp, config.cp
     if config.tp_plan and t == 1:
         raise ConfigError(
             f"--tp_plan {config.tp_plan!r} is a tensor-parallel plan and --tp is 1: add "
@@ -62,19 +64,31 @@ def plan_mesh(
                "the plan split them" if config.tp_plan else "--tp is 1: add --tp 2 (or more), "
                "or drop the flag")
         )
-    fixed = r * t * p
+    fixed = r * c * t * p
     if world_size % fixed:
         raise ConfigError(
             f"world size {world_size} is not dp_replicate {r} x data-parallel shards x "
-            f"tp {t} x pp {p}: {r} x {t} x {p} = {fixed} does not divide {world_size} ranks; "
-            "choose degrees whose product divides the world size"
+            f"cp {c} x tp {t} x pp {p}: {r} x {c} x {t} x {p} = {fixed} does not divide "
+            f"{world_size} ranks; choose degrees whose product divides the world size"
+        )
+    if c > 1 and config.block_size % c:
+        raise ConfigError(
+            f"--cp {c} does not divide --block_size {config.block_size}: each of the {c} "
+            "ranks takes an equal slice of every sequence; choose a multiple of --cp"
+        )
+    if c > 1 and (t > 1 or p > 1) and config.strategy != "fsdp":
+        raise ConfigError(
+            f"--cp {c} with --tp {t} --pp {p} needs --strategy fsdp, which averages the "
+            "gradients over the data-parallel and cp ranks: add --strategy fsdp"
         )
     layout = Layout.of(config, world_size)
-    if layout.data_parallel % layout.ep:
+    held = layout.token_ranks
+    if held % layout.ep:
+        what = "data-parallel x cp" if c > 1 else "data-parallel"
         raise ConfigError(
-            f"--ep {layout.ep} does not divide the {layout.data_parallel} data-parallel ranks "
-            f"of {world_size}: an expert group is {layout.ep} of them; choose --ep among the "
-            f"divisors of {layout.data_parallel}, or a world size it divides"
+            f"--ep {layout.ep} does not divide the {held} {what} ranks of {world_size}: an "
+            f"expert group is {layout.ep} of them; choose --ep among the divisors of {held}, "
+            "or a world size it divides"
         )
     _check_pipeline(config)
     if r > 1 and config.strategy != "fsdp":
@@ -95,9 +109,9 @@ def plan_mesh(
                 f"--strategy fsdp (FSDP x {name}), or run --{flag} {world_size}"
             )
     local = local_world_size or world_size
-    inner = t * (layout.dp_shard if r > 1 else 1)
+    inner = t * c * (layout.dp_shard if r > 1 else 1)
     if not layout.plain and local % inner:
-        what = "tp" if r == 1 else "dp_shard x tp"
+        what = "cp x tp" if r == 1 else "dp_shard x cp x tp"
         log.warning(
             "%s = %d ranks does not divide the %d ranks of a node: those groups cross nodes, "
             "and their collectives run at network speed", what, inner, local,
@@ -153,13 +167,13 @@ def attach_mesh(ctx: DistributedContext, layout: Layout | None) -> DistributedCo
     mesh = build_mesh(layout, ctx.device.type)
     replica, shard = mesh.get_local_rank("dp_replicate"), mesh.get_local_rank("dp_shard")
     data = (replica * layout.dp_shard + shard, layout.data_parallel)
-    return dataclasses.replace(ctx, mesh=mesh, data_parallel=data)
+    return dataclasses.replace(ctx, mesh=mesh, data_parallel=data, context_parallel=layout.cp)
 
 
 def ep_mesh(ctx: DistributedContext, ep: int) -> DeviceMesh:
-    """The data-parallel ranks laid out as `dp_mod_ep x ep` (`parallel.ep`): an expert
-    group is `ep` data-parallel ranks next to each other; `dp_mod_ep` the ranks that hold
-    the same experts. Made from the job's mesh once, then reused."""
+    """The ranks that hold other tokens (data-parallel x cp) laid out as `dp_mod_ep x ep`
+    (`parallel.ep`): an expert group is `ep` of them next to each other; `dp_mod_ep` the
+    ranks that hold the same experts. Made from the job's mesh once, then reused."""
     assert ctx.mesh is not None, "expert parallelism runs on the job's mesh"
     found = _EP_MESHES.get((id(ctx.mesh), ep))
     if found is None or found[0] is not ctx.mesh:
@@ -170,30 +184,47 @@ def ep_mesh(ctx: DistributedContext, ep: int) -> DeviceMesh:
 
 
 def _flat_dp(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel dimensions as one (torch caches a flatten: made once)."""
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    """The data-parallel and cp dimensions as one (torch caches a flatten: made once)."""
+    return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+
+
+def _flat(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
+    """The dimensions `dims` of `mesh` that hold more than one rank, as one (a flatten
+    torch caches by name; the first of them where none does)."""
+    wide = tuple(d for d in dims if mesh[d].size() > 1) or dims[:1]
+    if len(wide) == 1:
+        return mesh[wide[0]]
+    return mesh[wide]._flatten("dp" if wide == ("dp_replicate", "dp_shard") else "_".join(wide))
 
 
 def data_group(ctx: DistributedContext) -> Any:
-    """The process group of this rank's data-parallel ranks (those of its pipeline stage
-    and tensor-parallel index that hold other data: `dp_replicate x dp_shard`); None:
-    every rank, a job without a mesh."""
+    """The process group of the ranks that hold other tokens of the global batch (those
+    of this rank's pipeline stage and tensor-parallel index: `dp_replicate x dp_shard x
+    cp`); None: every rank, a job without a mesh."""
     if ctx.mesh is None:
         return None
-    replicas, shards = ctx.mesh["dp_replicate"].size(), ctx.mesh["dp_shard"].size()
-    if replicas > 1 and shards > 1:
-        return _flat_dp(ctx.mesh).get_group()
-    return ctx.mesh["dp_replicate" if replicas > 1 else "dp_shard"].get_group()
+    return _flat(ctx.mesh, ("dp_replicate", "dp_shard", "cp")).get_group()
 
 
 def fsdp_mesh(ctx: DistributedContext) -> DeviceMesh | None:
     """The mesh FSDP shards over: the data-parallel dimensions (2-D under HSDP: replicas
-    all-reduce, shards reduce-scatter); None: every rank (FSDP's default)."""
+    all-reduce, shards reduce-scatter), the cp ranks' joined to the shards' (they hold
+    the same weights and average their gradients); None: every rank (FSDP's default)."""
     if ctx.mesh is None:
         return None
+    shards = _flat(ctx.mesh, ("dp_shard", "cp"))
     if ctx.mesh.size(DIMS.index("dp_replicate")) > 1:
-        return ctx.mesh["dp_replicate", "dp_shard"]
-    return ctx.mesh["dp_shard"]
+        if shards.mesh_dim_names == ("dp_shard",):
+            return ctx.mesh["dp_replicate", "dp_shard"]
+        return ctx.mesh["dp_replicate", shards.mesh_dim_names[0]]
+    return shards
+
+
+def cp_mesh(ctx: DistributedContext) -> DeviceMesh | None:
+    """The mesh of the ranks that split each sequence; None without context parallelism."""
+    if ctx.mesh is None or ctx.mesh.size(DIMS.index("cp")) == 1:
+        return None
+    return ctx.mesh["cp"]
 
 
 def pp_mesh(ctx: DistributedContext) -> DeviceMesh | None:

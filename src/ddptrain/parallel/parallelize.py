@@ -6,12 +6,14 @@ trains, each applied where its flag or the layout asks for it.
 1. freeze (`--freeze`, a LoRA run): `requires_grad` off by name (`parts.freeze`)
 2. float8 (`--float8`): linears swapped for torchao's, before any split (`parts.to_float8`)
 3. tp (`--tp`): layers split over the mesh's tp ranks (`tp.tensor_parallel`)
-4. ep (`--ep`): each rank keeps its experts (`ep.expert_parallel`)
-5. activation checkpointing (`--activation_checkpointing`): blocks recompute in backward
+4. cp (`--cp`): attention over the sequence slices of the cp ranks
+   (`cp.context_parallel`; after tp: it divides a rank's heads)
+5. ep (`--ep`): each rank keeps its experts (`ep.expert_parallel`)
+6. activation checkpointing (`--activation_checkpointing`): blocks recompute in backward
    (`parts.checkpoint_activations`)
-6. the strategy (always, `Strategy.setup_module`): pp's stages cut; FSDP/HSDP shards, or
+7. the strategy (always, `Strategy.setup_module`): pp's stages cut; FSDP/HSDP shards, or
    DDP/ZeRO wraps; each rank's weights allocated and filled
-7. compile (`--compile`, `compile_pass`): once a checkpoint is loaded, as a resume may
+8. compile (`--compile`, `compile_pass`): once a checkpoint is loaded, as a resume may
    build DDP's wrapper again
 
 Each pass takes the module as the one before left it, on the meta device where the
@@ -33,6 +35,7 @@ from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.layout import Layout
 from ddptrain.parallel.base import Strategy
+from ddptrain.parallel.cp import context_parallel
 from ddptrain.parallel.ep import expert_parallel
 from ddptrain.parallel.parts import checkpoint_activations, freeze, to_float8
 from ddptrain.parallel.tp import tensor_parallel
@@ -66,6 +69,8 @@ PASSES: tuple[Pass, ...] = (
                                 and s.ctx.world_size > 1)),
     Pass("tp", lambda s: s.layout.tp > 1,
          lambda m, s: tensor_parallel(m, s.config, s.ctx)),
+    Pass("cp", lambda s: s.layout.cp > 1,
+         lambda m, s: context_parallel(m, s.ctx, s.layout.cp)),
     Pass("ep", lambda s: s.layout.ep > 1,
          lambda m, s: expert_parallel(m, s.ctx, s.layout.ep)),
     Pass("activation checkpointing", lambda s: s.config.activation_checkpointing != "off",

@@ -78,6 +78,7 @@ from ddptrain.parallel.base import (
     tensors_by_identity,
     to_cpu,
 )
+from ddptrain.parallel.cp import of as context_of
 from ddptrain.parallel.fsdp import FSDP, fsdp_blocks
 from ddptrain.parallel.mesh import DIMS, pipeline_microbatches, pp_mesh
 from ddptrain.parallel.pp_hf import HFDecoderStage, check_hf_stages, is_hf_decoder
@@ -419,10 +420,13 @@ class GPTStage(nn.Module):
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
         if self.last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
+        self.split = context_of(model)  # --cp: the slice's positions are its rank's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            pos = torch.arange(x.size(1), device=x.device)
+            t = x.size(1)
+            pos = (torch.arange(t, device=x.device) if self.split is None
+                   else self.split.positions(t, x.device))
             x = self.drop(self.wte(x) + self.wpe(pos))  # type: ignore[operator]
         for block in self.blocks:
             x = block(x)

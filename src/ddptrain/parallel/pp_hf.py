@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ddptrain.errors import ConfigError
+from ddptrain.parallel.cp import of as context_of
 
 _BASE_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 
@@ -79,12 +80,15 @@ class HFDecoderStage(nn.Module):
             self.embed_tokens = base.embed_tokens
         if self.last:
             self.norm, self.lm_head = base.norm, model.lm_head
+        self.split = context_of(model)  # --cp: the slice's positions are its rank's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
         h = self.embed_tokens(x) if self.first else x
-        positions = torch.arange(h.size(1), device=h.device).unsqueeze(0)
+        t = h.size(1)
+        positions = (torch.arange(t, device=h.device) if self.split is None
+                     else self.split.positions(t, h.device)).unsqueeze(0)
         mask = create_causal_mask(config=self.base_config, inputs_embeds=h,
                                   attention_mask=None, cache=None, position_ids=positions)
         rotary = self.rotary_emb(h, position_ids=positions)

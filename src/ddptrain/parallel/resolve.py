@@ -174,6 +174,24 @@ def check_model_layout(config: TrainingConfig, shape: Any, tokens: int | None) -
         check_stages(config, shape.name, shape.blocks, shape.hf_directory)
     if config.ep > 1:
         check_experts(config, shape)
+    if config.cp > 1:
+        check_cp(config, shape)
+
+
+def check_cp(config: TrainingConfig, shape: Any) -> None:
+    """Before the process group: the heads of the built-in GPT or of a Hugging Face model's
+    config.json divided by --tp x --cp (a user's module: as its attention is split,
+    `parallel.cp`)."""
+    cp, tp, heads = config.cp, config.tp, None
+    if shape.name == "gpt":
+        heads = shape.heads
+    elif shape.hf_directory is not None:
+        hf = read_hf_config(shape.hf_directory)
+        heads = getattr(hf, "num_attention_heads", None) or getattr(hf, "n_head", None)
+    if isinstance(heads, int) and heads % (tp * cp):
+        raise ConfigError(f"--cp {cp} x --tp {tp} does not divide the {heads} attention heads "
+                          "of the model: each cp rank attends with its share of a tp rank's "
+                          "heads; choose --cp among the divisors of heads / tp")
 
 
 # where a Hugging Face config.json counts a mixture's experts (Mixtral; Qwen-MoE;

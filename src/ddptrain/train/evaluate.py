@@ -63,7 +63,8 @@ class Evaluator:
                 with precision.autocast():
                     self.strategy.forward(self.call, module, filler)
                 continue
-            inputs, targets = split(to_device(batch, ctx.device, self.memory_format))
+            inputs, targets = self.call.prepare(
+                *split(to_device(batch, ctx.device, self.memory_format)))
             with precision.autocast():
                 out = self.strategy.forward(self.call, module, inputs)
             if out is not None:  # None: an earlier pipeline stage, the last one scores

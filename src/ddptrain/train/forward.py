@@ -27,7 +27,8 @@ def forward_backward(
     or a pipeline's schedule); gradients are reduced only on the last micro-batch of
     a window (`sync` False: on none, the caller reduces them). Returns the model inputs
     (for FLOP counting)."""
-    inputs, targets = split(to_device(batch, trainer.ctx.device, trainer.memory_format))
+    inputs, targets = trainer.call.prepare(
+        *split(to_device(batch, trainer.ctx.device, trainer.memory_format)))
     scale = 0.0 if micro.pad else loss_scale(trainer, micro)
     if trainer.config.compile:
         mark_batch_dynamic(inputs)
@@ -60,7 +61,7 @@ def forward_backward(
 
 def loss_scale(trainer: Trainer, micro: Micro) -> float:
     """What a micro-batch's summed loss is multiplied by before backward."""
-    # DDP averages gradients over the (data-parallel) ranks, hence their number.
+    # DDP averages gradients over the (data-parallel x cp) ranks, hence their number.
     if trainer.dynamic:
-        return trainer.ctx.data_world / trainer.nominal
-    return trainer.ctx.data_world / micro.window_samples
+        return trainer.ctx.grad_world / trainer.nominal
+    return trainer.ctx.grad_world / micro.window_samples

@@ -63,7 +63,7 @@ class Routing:
            ctx: DistributedContext | None = None) -> Routing | None:
         """The routing of `module`'s MoE layers, or None when it has none. `scope`
         (`--moe_aux_scope`): global, the loss of the global micro-batch over `ctx`'s
-        data-parallel ranks; local, each rank's own tokens'. Collective under an n-D
+        data-parallel and cp ranks; local, each rank's own tokens'. Collective under an n-D
         layout (the data-parallel group is made once, on every rank)."""
         if scope not in SCOPES:
             raise ValueError(f"moe_aux_scope {scope!r}: use one of {', '.join(SCOPES)}")
@@ -71,7 +71,7 @@ class Routing:
         if not layers:
             return None
         spread = (scope == "global" and weight > 0 and ctx is not None and ctx.distributed
-                  and ctx.data_world > 1)
+                  and ctx.grad_world > 1)
         return cls(layers, weight, spread, data_group(ctx) if spread and ctx else None)
 
     def add(self, score: Score, pad: bool = False) -> torch.Tensor:

@@ -25,6 +25,7 @@ of `Task` (or any object with the same attributes) returned by `--task package.m
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -376,14 +377,25 @@ class Scorer:
     sums. A model that computed its own loss (a mean over its batch) is trained on that,
     weighted back to a sum; the task then only counts and scores."""
 
-    def __init__(self, task: Task, device: torch.device) -> None:
+    def __init__(self, task: Task, device: torch.device, split: Any = None) -> None:
+        """`split` (`--cp`, a `parallel.cp.ContextParallel`): the model scores this rank's
+        slices of the rows, their targets already aligned; one cp rank counts the rows."""
+        if split is not None and task.name != "lm":
+            raise ConfigError(f"--cp {split.size} splits the sequences of a language model "
+                              f"(--task lm), and this run's task is {task.name}: run it "
+                              "without --cp")
+        if split is not None and getattr(task, "shift", False):
+            # a Hugging Face batch's labels are shifted as the rows are cut: not here
+            task, split.shift = copy.copy(task), True
+            task.shift = False  # type: ignore[attr-defined]
         self.task = task
         self._zero = torch.zeros((), device=device)
         self._checked = False
+        self._counts_rows = split is None or split.rank == 0
 
     def score(self, out: Output, targets: Any, inputs: Any) -> Score:
         loss_sum, count = self.loss(out, targets, inputs)
-        samples = num_samples(inputs, targets)
+        samples = num_samples(inputs, targets) if self._counts_rows else 0
         return Score(loss_sum, count, self.metrics(out, targets), samples)
 
     def loss(self, out: Output, targets: Any, inputs: Any) -> tuple[torch.Tensor, Any]:

@@ -55,6 +55,7 @@ from ddptrain.observe.profiling import StepProfiler
 from ddptrain.observe.startup import Phases
 from ddptrain.observe.trackers import tracker_hooks
 from ddptrain.observe.writer import RunLogError
+from ddptrain.parallel.cp import of as context_of
 from ddptrain.parallel.lora import LoraSpec, adapt
 from ddptrain.parallel.memory import optimizer_slots
 from ddptrain.parallel.mesh import attach_mesh
@@ -114,23 +115,23 @@ class Trainer:
         self.strategy = self.choice.build(ctx, config, self.precision.dtype)
         self.lora: LoraSpec | None = None  # --lora_rank: the adapters (set as it is built)
         self.module = self._build_module(module)
-        self.call = ModelCall(self.module, packed=config.pack)
-        self.scorer = Scorer(self.task, device)
         self.routing = Routing.of(self.module, config.moe_aux_weight, config.moe_aux_scope, ctx)
         refuse_unsupported(config, self.choice.name, run.data.iterable,  # --oom_backoff
                            routed_globally=getattr(self.routing, "spread", False))
         self._setup_data()
-        # FLOPs are counted on a meta-device shadow (no data) taken before the module is
-        # wrapped or sharded: an FSDP module cannot be copied. Only GPU rows report them.
+        # FLOPs: on a meta-device shadow taken before the module is wrapped or sharded (an
+        # FSDP module cannot be copied); only GPU rows report them.
         self.flops_model = meta_shadow(self.module)
         self.parameter_count = sum(p.numel() for p in self.module.parameters())  # before pp
-        # The passes, in their one order (`parallel.parallelize`): freeze, float8, tp, ep,
-        # activation checkpointing, then the strategy's (pp's stages; fsdp shards, ddp
-        # wraps) before the optimizer sees the parameters: a checkpoint loads into them.
+        # The passes in their one order (`parallel.parallelize`), the strategy's last, before
+        # the optimizer sees the parameters: a checkpoint loads into them.
         model, self.frozen = parallelize(
             self.module, self.strategy, config, ctx, self.precision.float8
         )
         self.model: Any = model  # maybe compiled below
+        split = context_of(self.module)  # --cp: each rank's slice of the sequences
+        self.call = ModelCall(self.module, packed=config.pack, split=split)
+        self.scorer = Scorer(self.task, device, split)
         started = fill_start(self)  # hf:DIR per rank; --lora_quantize's base
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimization = build_optimizer(config, self.module, self.strategy, ctx.data_world)
@@ -139,8 +140,7 @@ class Trainer:
             config, self.optimizer, self.steps_per_epoch, self.total_steps
         )
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision.scaler)
-        # What hooks may change (a stop, the LR multiplier); the EMA weights, held like
-        # the weights (fsdp: shards).
+        # What hooks may change (a stop, the LR multiplier); the EMA weights (fsdp: shards).
         self.steer = Steering(self.optimizer, self.scheduler)
         self.ema = EMA(self.module, config.ema_decay) if config.ema_decay else None
         self.verdicts = Verdicts(ctx.device, config.max_bad_steps, config.ckpt_dir)
