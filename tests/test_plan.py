@@ -32,6 +32,25 @@ def test_the_layouts_follow_each_dimensions_rules() -> None:
     assert {e for s, e in spread if s != "fsdp"} == {1}
 
 
+def test_long_sequences_are_also_planned_split_over_cp_ranks_of_a_node() -> None:
+    """From `LONG_CONTEXT` tokens: cp 2 and 4 inside a node of 4, with tp where cp x tp
+    divides the 4 heads and the node; ddp and zero only where nothing splits the model;
+    the launch line names --cp. Below it: no cp candidate."""
+    from ddptrain.launch.planner import LONG_CONTEXT
+
+    model = Model(None, heads=4, kv_heads=4, experts=0, parameters=10**6,
+                  flops_per_sequence=1.0, width=128, layers=2)
+    assert {c.cp for c in candidates(model, 2, 4, 16, LONG_CONTEXT // 2)} == {1}
+    found = candidates(model, nodes=2, per_node=4, batch=16, block_size=LONG_CONTEXT)
+    layouts = {(c.strategy, c.tp, c.cp) for c in found}
+    assert {(t, p) for _, t, p in layouts} == {(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4)}
+    assert ("ddp", 1, 4) in layouts and ("zero", 1, 2) in layouts
+    assert ("ddp", 2, 2) not in layouts and ("fsdp", 2, 2) in layouts
+    for c in found:  # the global batch kept over the data-parallel ranks
+        assert c.micro * c.accum * c.layout(8).data_parallel == 16
+    assert "--cp" in next(c for c in found if c.cp == 4).flags()
+
+
 def test_a_budget_ddp_does_not_fit_drops_it_and_the_first_choice_is_a_launch_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -37,7 +37,7 @@ log = logging.getLogger("ddptrain")
 
 AUTO = AUTO_BATCH  # `--batch_size auto`, as the config holds it
 # What the choice sets, and what config.yaml gives back to a resume
-CHOSEN = ("strategy", "dp_replicate", "tp", "pp", "ep", "activation_checkpointing",
+CHOSEN = ("strategy", "dp_replicate", "tp", "pp", "ep", "cp", "activation_checkpointing",
           "batch_size", "grad_accum_steps")
 # A CPU rank's rough figures for the ranking (FLOP/s; GB/s over loopback and a network;
 # seconds a collective call costs beyond its bytes, gloo's and the Python around it)
@@ -87,7 +87,7 @@ def choose(config: TrainingConfig, vocab_size: int | None, world: int, local_wor
     best = fits[0].candidate
     chosen = dataclasses.replace(
         config, strategy=best.strategy, dp_replicate=best.dp_replicate, tp=best.tp,
-        pp=best.pp, ep=best.ep,
+        pp=best.pp, ep=best.ep, cp=best.cp,
         activation_checkpointing=best.recompute,  # type: ignore[arg-type]
         batch_size=best.micro, grad_accum_steps=best.accum,
     )
@@ -130,8 +130,8 @@ def _global_batch(config: TrainingConfig, world: int) -> int:
 
 
 def _same_layout(c: Any, config: TrainingConfig) -> bool:
-    return (c.strategy, c.dp_replicate, c.tp, c.pp, c.ep, c.recompute) == (
-        config.strategy, config.dp_replicate, config.tp, config.pp, config.ep,
+    return (c.strategy, c.dp_replicate, c.tp, c.pp, c.ep, c.cp, c.recompute) == (
+        config.strategy, config.dp_replicate, config.tp, config.pp, config.ep, config.cp,
         config.activation_checkpointing)
 
 
@@ -169,7 +169,7 @@ def _kept(config: TrainingConfig, world: int) -> TrainingConfig | None:
         return None
     kept = dataclasses.replace(config, **{k: saved[k] for k in CHOSEN if k in saved})
     layout = Layout.of(kept, world)
-    if world % (kept.tp * kept.dp_replicate * kept.pp) or (
+    if world % (kept.tp * kept.dp_replicate * kept.pp * kept.cp) or (
         _global_batch(config, world) != kept.batch_size * kept.grad_accum_steps
         * layout.data_parallel):
         return None  # another world: planned again

@@ -229,6 +229,9 @@ def build_parser() -> ErrorParser:
                         help="tensor-parallel degree of the job, for the bytes per rank")
     parser.add_argument("--pp", type=int, default=1,
                         help="pipeline stages of the job, for the bytes per rank")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel degree of the job (each sequence split over it: "
+                        "its activations / cp), for the bytes per rank")
     parser.add_argument("--dp_replicate", type=int, default=1,
                         help="HSDP replicas of the job (--strategy fsdp), for the bytes per rank")
     parser.add_argument("--experts", default=None, metavar="COUNT",
@@ -293,13 +296,14 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
     from ddptrain.parallel import resolve_strategy
     from ddptrain.parallel.memory import format_bytes, optimizer_slots
 
-    for flag in ("tp", "pp", "dp_replicate", "world_size", "ep"):
+    for flag in ("tp", "pp", "cp", "dp_replicate", "world_size", "ep"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag} {value} is invalid: use a positive number of ranks")
-    degrees = ParallelSection(tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate, ep=args.ep)
+    degrees = ParallelSection(tp=args.tp, pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate,
+                              ep=args.ep)
     if args.world_size is None and world_size == 1 and Layout.of(degrees).world_size > 1:
-        flags = " ".join(f"--{f} {getattr(args, f)}" for f in ("tp", "pp", "dp_replicate")
+        flags = " ".join(f"--{f} {getattr(args, f)}" for f in ("tp", "pp", "cp", "dp_replicate")
                          if getattr(args, f) > 1)
         raise ConfigError(
             f"{flags} is the layout of a job of "
@@ -308,7 +312,8 @@ def _memory_line(args: argparse.Namespace, world_size: int, device: Any) -> str:
         )
     world_size = args.world_size or world_size
     config = TrainingConfig(strategy=args.strategy, optimizer=args.optimizer, tp=args.tp,
-                            pp=args.pp, dp_replicate=args.dp_replicate, ep=args.ep).validate()
+                            pp=args.pp, cp=args.cp, dp_replicate=args.dp_replicate,
+                            ep=args.ep).validate()
     choice = resolve_strategy(config, world_size, device)  # a layout that does not fit: one line
     if args.parameters is None:
         return f"strategy   {choice.label} (give --parameters 125M for the bytes per rank)"

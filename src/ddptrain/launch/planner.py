@@ -6,17 +6,18 @@ them should run fastest, before a single GPU is allocated.
 
 Each candidate is a layout that divides the world (`--strategy` ddp, zero, fsdp; HSDP with
 a replica a node; `--tp` inside a node, dividing the heads; `--pp` stages; `--ep` dividing
-the experts)
-and a micro-batch that keeps the global batch (micro-batch x accumulation x data-parallel
-ranks), without activation checkpointing, then where a larger micro-batch fits only so,
-with its selective and block modes. Its memory per rank is measured, not estimated: one
-training step of the layout runs on fake ranks (`train.probe.fake_step`: the real passes,
-strategy and optimizer, on tensors without data), and a candidate whose peak passes the
-card's memory less `--margin` (the allocator, NCCL's buffers) is dropped. For each layout
-and mode the largest micro-batch that fits is kept (fewer, larger steps), found from the
-peaks at 1 and 2 sequences (each sequence adds its activations) and then measured. A
-Hugging Face model deeper than 8 blocks is measured at 3 and 4 and extrapolated to its
-depth (`measure`): a 70B Llama on 64 ranks plans in about 2 minutes on 2 CPU cores.
+the experts; for sequences of `LONG_CONTEXT` tokens or more, `--cp` 2, 4, 8 inside a node,
+with tp dividing the heads) and a micro-batch that keeps the global batch (micro-batch x
+accumulation x data-parallel ranks), without activation checkpointing, then where a larger
+micro-batch fits only so, with its selective and block modes. Its memory per rank is
+measured, not estimated: one training step of the layout runs on fake ranks
+(`train.probe.fake_step`: the real passes, strategy and optimizer, on tensors without
+data), and a candidate whose peak passes the card's memory less `--margin` (the allocator,
+NCCL's buffers) is dropped. For each layout and mode the largest micro-batch that fits is
+kept (fewer, larger steps), found from the peaks at 1 and 2 sequences (each sequence adds
+its activations) and then measured. A Hugging Face model deeper than 8 blocks is measured
+at 3 and 4 and extrapolated to its depth (`measure`): a 70B Llama on 64 ranks plans in
+about 2 minutes on 2 CPU cores.
 
 What fits is ranked by a stated cost model: the step's FLOPs (counted as MFU counts them,
 `observe.flops`; a third more under block recompute) at `--mfu` of the card's dense bf16
@@ -26,12 +27,14 @@ gradients a step, in bf16 under autocast; by formula: `fake_step` counts the cal
 bytes, the test of the probe checks them against torch's flight recorder) over the network
 between nodes, or the links inside one (`GPUS`), overlapped with compute; tensor
 parallelism's four all-reduces of a layer's activations per micro-step, inside a node, not
-overlapped; a pipeline's (`--pp` 2, 4, 8 dividing the blocks, fsdp inside each stage, pp
-micro-batches a micro-step) bubble, each stage idle pp - 1 of 1F1B's 2pp - 1 slots, and its
-activations sent on and their gradients back; and `--latency_us` for each collective call
-(`ranking.calls`). Not modelled: other schedules, pp with tp, kernels' efficiency by shape,
-network congestion, stragglers. The memory is measured with the CPU's
-kernels, whose temporaries (attention's among them) may differ from a GPU's.
+overlapped; context parallelism's eight all-to-alls of a layer's q, k, v and output slices
+(forward and backward) per micro-step, the same; a pipeline's (`--pp` 2, 4, 8 dividing the
+blocks, fsdp inside each stage, pp micro-batches a micro-step) bubble, each stage idle
+pp - 1 of 1F1B's 2pp - 1 slots, and its activations sent on and their gradients back; and
+`--latency_us` for each collective call (`ranking.calls`). Not modelled: other schedules,
+pp with tp, kernels' efficiency by shape, network congestion, stragglers. The memory is
+measured with the CPU's kernels, whose temporaries (attention's among them) may differ from
+a GPU's.
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ RECOMPUTE = ("off", "selective", "block")  # tried in this order, each where it 
 # peak while it all-gathers, a 3-block one in backward): then one block deeper. The test
 # of the plan checks the extrapolation against a measurement at full depth.
 SHALLOW = 3  # the first of the two depths
+# Sequences this long or longer are also planned split over cp ranks: below it a
+# sequence's activations are rarely what does not fit, and the candidates double
+LONG_CONTEXT = 8192
 
 
 Strategy = Literal["ddp", "zero", "fsdp"]
@@ -76,6 +82,7 @@ class Candidate:
     accum: int  # micro-steps a step
     recompute: str = "off"  # --activation_checkpointing: off, selective, block
     pp: int = 1
+    cp: int = 1
 
     def layout(self, world: int) -> Any:
         """Its `ddptrain.layout.Layout` over `world` ranks."""
@@ -83,12 +90,12 @@ class Candidate:
         from ddptrain.layout import Layout
 
         return Layout.of(ParallelSection(strategy=self.strategy, dp_replicate=self.dp_replicate,
-                                         tp=self.tp, ep=self.ep, pp=self.pp), world)
+                                         tp=self.tp, ep=self.ep, pp=self.pp, cp=self.cp), world)
 
     def flags(self) -> list[str]:
         out = ["--strategy", self.strategy]
         for flag, value in (("dp_replicate", self.dp_replicate), ("tp", self.tp),
-                            ("pp", self.pp), ("ep", self.ep)):
+                            ("cp", self.cp), ("pp", self.pp), ("ep", self.ep)):
             if value > 1:
                 out += [f"--{flag}", str(value)]
         if self.recompute != "off":
@@ -234,26 +241,29 @@ def lm_model(name: str, model_args: dict[str, Any], vocab_size: int, block_size:
                  deep=name.startswith("hf:") and layers > 2 * SHALLOW + 2, blocks=blocks)
 
 
-def candidates(model: Model, nodes: int, per_node: int, batch: int) -> list[Candidate]:
+def candidates(model: Model, nodes: int, per_node: int, batch: int,
+               block_size: int = 0) -> list[Candidate]:
     """Every layout of `nodes x per_node` ranks the dimensions' rules allow, each with the
-    micro-batches that keep `batch` sequences a step (largest first)."""
+    micro-batches that keep `batch` sequences a step (largest first). Sequences of
+    `LONG_CONTEXT` tokens or more are also split over cp ranks inside a node."""
     world = nodes * per_node
     out = []
     stages = [1] + [p for p in (2, 4, 8) if world % p == 0 and model.layers % p == 0
                     and model.layers >= 2 * p]
-    for tp, pp in [(t, 1) for t in range(1, per_node + 1) if per_node % t == 0] + [
-            (1, p) for p in stages[1:]]:
-        if model.heads % tp or model.kv_heads % tp:
+    splits = [1] + [c for c in (2, 4, 8) if block_size >= LONG_CONTEXT and block_size % c == 0]
+    for tp, pp, cp in [(t, 1, c) for t in range(1, per_node + 1) for c in splits
+                       if per_node % (t * c) == 0] + [(1, p, 1) for p in stages[1:]]:
+        if model.heads % (tp * cp) or model.kv_heads % tp:
             continue
-        dp = Candidate("fsdp", 1, tp, 1, 1, 1, pp=pp).layout(world).data_parallel
+        dp = Candidate("fsdp", 1, tp, 1, 1, 1, pp=pp, cp=cp).layout(world).data_parallel
         if batch % dp:
             continue
         if pp > 1:  # stages sharded over their data-parallel ranks (`parallel.pp`)
             layouts: list[tuple[Strategy, int]] = [("fsdp", 1)]
         else:
-            layouts = ([("ddp", 1), ("zero", 1)] if tp == 1 else [("ddp", 1)] if dp == 1
-                       else [])
-            layouts += [("fsdp", 1)] if dp > 1 else []
+            layouts = ([("ddp", 1), ("zero", 1)] if tp == 1 else [("ddp", 1)]
+                       if dp == cp == 1 else [])
+            layouts += [("fsdp", 1)] if dp * cp > 1 else []
             layouts += [("fsdp", nodes)] if nodes > 1 and dp % nodes == 0 and dp > nodes \
                 else []
         eps = [1] + [e for e in range(2, dp + 1) if model.experts and dp % e == 0
@@ -265,7 +275,7 @@ def candidates(model: Model, nodes: int, per_node: int, batch: int) -> list[Cand
             # under --pp a rank's micro-batch is cut into pp pipeline micro-batches
             micros = [m for m in (2**i for i in range(16)) if m <= per_rank
                       and per_rank % m == 0 and m % pp == 0]
-            out += [Candidate(strategy, replicate, tp, ep, m, per_rank // m, pp=pp)
+            out += [Candidate(strategy, replicate, tp, ep, m, per_rank // m, pp=pp, cp=cp)
                     for m in reversed(micros)]
     return out
 
@@ -282,9 +292,9 @@ def plan(args: Any, model: Model, world: int, batch: int,
     budget = card[0] * GIB * (1 - args.margin)
     fits: list[Planned] = []
     over: list[Planned] = []
-    layouts: dict[tuple[str, int, int, int, int], list[Candidate]] = {}
-    for c in candidates(model, args.nodes, args.gpus_per_node, batch):
-        layouts.setdefault((c.strategy, c.dp_replicate, c.tp, c.ep, c.pp), []).append(c)
+    layouts: dict[tuple[str, int, int, int, int, int], list[Candidate]] = {}
+    for c in candidates(model, args.nodes, args.gpus_per_node, batch, args.block_size):
+        layouts.setdefault((c.strategy, c.dp_replicate, c.tp, c.ep, c.pp, c.cp), []).append(c)
     for options in layouts.values():
         options = sorted(options, key=lambda c: c.micro)
         best = 0  # the largest micro-batch a lighter mode fits
@@ -367,7 +377,7 @@ def measure(args: Any, model: Model, world: int, c: Candidate) -> dict[str, int]
     from ddptrain.train.probe import fake_step, pipeline_ranks
 
     config = TrainingConfig(
-        strategy=c.strategy, dp_replicate=c.dp_replicate, tp=c.tp, ep=c.ep, pp=c.pp,
+        strategy=c.strategy, dp_replicate=c.dp_replicate, tp=c.tp, ep=c.ep, pp=c.pp, cp=c.cp,
         optimizer=args.optimizer, use_amp=getattr(args, "use_amp", True),
         amp_dtype=getattr(args, "amp_dtype", "bfloat16"),
         batch_size=c.micro, grad_accum_steps=c.accum, block_size=args.block_size,

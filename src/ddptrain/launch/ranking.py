@@ -15,7 +15,8 @@ def cost(c: Candidate, model: Model, world: int, args: Any,
          card: tuple[float, float, float, float]) -> tuple[float, float, float]:
     """Predicted seconds a step, tokens/s a GPU and MFU (the module's docstring)."""
     _, peak, intra, inter = card
-    dp = c.layout(world).data_parallel
+    layout = c.layout(world)
+    dp = layout.data_parallel
     sequences = c.micro * c.accum * dp
     flops = model.flops_per_sequence * sequences
     # block recompute runs each forward again (a third of a step's FLOPs); selective only
@@ -23,10 +24,11 @@ def cost(c: Candidate, model: Model, world: int, args: Any,
     compute = flops * (4 / 3 if c.recompute == "block" else 1) / (world * peak * args.mfu)
     # a pipeline's bubble: 1F1B over pp micro-batches idles each stage pp - 1 of 2pp - 1
     compute *= (2 * c.pp - 1) / c.pp
-    weights = 2 * model.parameters * dp / world  # bf16 bytes of what tp and pp leave a rank
+    weights = 2 * model.parameters / layout.model_split  # bf16 bytes tp and pp leave a rank
     crosses_nodes = args.nodes > 1 and c.dp_replicate == 1 and world // c.pp > args.gpus_per_node
     bandwidth = (inter if crosses_nodes else intra) * 1e9
-    share = (dp - 1) / dp if dp > 1 else 0.0
+    held = dp * c.cp  # the ranks that average gradients (and fsdp shards over)
+    share = (held - 1) / held if held > 1 else 0.0
     # fsdp gathers the weights in each micro-step's forward and backward (resharded after
     # forward), reduce-scatters once a step (no sync while accumulating); inside a
     # pipeline's stage they stay gathered through the step
@@ -34,18 +36,21 @@ def cost(c: Candidate, model: Model, world: int, args: Any,
     traffic = ((gathers + 1) if c.strategy == "fsdp" else 2) * weights * share
     if c.dp_replicate > 1:  # HSDP: shards inside a node, the replicas' all-reduce across
         traffic = 3 * weights * share
-        across = 2 * weights / (dp // c.dp_replicate) * (c.dp_replicate - 1) / c.dp_replicate
+        across = 2 * weights / (held // c.dp_replicate) * (c.dp_replicate - 1) / c.dp_replicate
         data = max(traffic / (intra * 1e9), across / (inter * 1e9))
     else:
         data = traffic / bandwidth
-    activation = 2 * c.micro * args.block_size * model.width  # bf16 bytes
+    activation = 2 * c.micro * args.block_size * model.width / c.cp  # bf16 bytes, a slice
     tensor = (4 * model.layers * activation * 2 * (c.tp - 1) / c.tp / (intra * 1e9) * c.accum
               if c.tp > 1 else 0.0)
+    # Ulysses: q, k, v and the output each all-to-all'd forward, and their gradients back
+    context = (8 * model.layers * activation / c.tp * (c.cp - 1) / c.cp / (intra * 1e9)
+               * c.accum if c.cp > 1 else 0.0)
     # a stage's activations forward and their gradients back, each micro-step, between
     # nodes where the stages are (pp is the mesh's outermost dimension)
     stages = (2 * activation * c.accum / ((inter if args.nodes > 1 else intra) * 1e9)
               if c.pp > 1 else 0.0)
-    step = max(compute, data) + tensor + stages + calls(c, model, gathers) * getattr(
+    step = max(compute, data) + tensor + context + stages + calls(c, model, gathers) * getattr(
         args, "latency_s", 2e-5)
     return step, sequences * args.block_size / step / world, flops / (step * world * peak)
 
@@ -53,12 +58,13 @@ def cost(c: Candidate, model: Model, world: int, args: Any,
 def calls(c: Candidate, model: Model, gathers: int) -> int:
     """Collectives a rank launches a step, each paying the link's latency: fsdp's gathers
     and reduce-scatter for each of its units (the blocks and the root), ddp's bucket
-    all-reduces (25 MB of fp32 gradients each), tp's four a block a micro-step, a
-    pipeline's sends and receives."""
+    all-reduces (25 MB of fp32 gradients each), tp's four a block a micro-step, cp's
+    eight, a pipeline's sends and receives."""
     units = model.layers + 1
     data = units * (gathers + 1) if c.strategy == "fsdp" else -(-4 * model.parameters // 25e6)
     tensor = 4 * model.layers * c.accum if c.tp > 1 else 0
-    return int(data + tensor + (4 * c.accum * c.pp if c.pp > 1 else 0))
+    context = 8 * model.layers * c.accum if c.cp > 1 else 0
+    return int(data + tensor + context + (4 * c.accum * c.pp if c.pp > 1 else 0))
 
 
 def table(planned: list[Planned], args: Any, world: int, batch: int,

@@ -63,10 +63,11 @@ class StrategyChoice:
             held = (parameters + experts * (layout.tp - 1) if self.name == "fsdp"
                     else parameters - experts + experts // layout.ep)
             parameters, trained = held, held if trained in (None, parameters) else trained
-        # fsdp shards over a replica's ranks (HSDP: not across replicas), tp splits layers,
-        # pp gives each rank a stage of them (as if the stages were even).
+        # fsdp shards over a replica's ranks (HSDP: not across replicas) and their cp
+        # peers, tp splits layers, pp gives each rank a stage of them (as if the stages
+        # were even).
         split = layout.model_split
-        sharded_over = layout.dp_shard * split if self.name == "fsdp" else split
+        sharded_over = layout.dp_shard * layout.cp * split if self.name == "fsdp" else split
         name = "fsdp" if self.name == "fsdp" or layout.splits_model else self.name
         return implied_bytes(name, sharded_over, parameters, slots, trained, freed)
 
@@ -137,7 +138,8 @@ def resolve_strategy(
     kind = checkpoint_kind(config, world_size)
     if world_size == 1:
         return StrategyChoice(SINGLE, 1, kind, Strategy, memory, config=config)
-    if layout.plain:
+    if layout.plain or (not layout.splits_model and config.strategy != "fsdp"):
+        # (ddp and zero under --cp: replicas over every rank, the cp ranks' among them)
         return StrategyChoice(config.strategy, world_size, kind, STRATEGIES[config.strategy],
                               memory, layout, config)
     # An n-D layout shards parameters into DTensors: its checkpoints are DCP directories.

@@ -52,6 +52,7 @@ from ddptrain.config import TrainingConfig
 from ddptrain.context import DistributedContext
 from ddptrain.layout import Layout
 from ddptrain.parallel.base import FILLED_BY_BUILDER, Strategy, init_optimizer_state
+from ddptrain.parallel.cp import of as context_of
 from ddptrain.parallel.mesh import attach_mesh, build_mesh, ep_mesh, pp_mesh
 from ddptrain.parallel.parallelize import parallelize
 from ddptrain.parallel.pp import Pipeline
@@ -98,6 +99,9 @@ def forward_backward(strategy: Strategy, model: Any, tokens: torch.Tensor,
     stage scores each micro-batch against the first rows of the targets: the same shapes
     as its own rows, which a fake rank cannot read."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    split = context_of(model) if isinstance(model, nn.Module) else None
+    if split is not None:  # --cp: this rank's slice of each sequence
+        inputs, targets = split.shard(inputs, targets)
 
     def loss(output: Any, rows: torch.Tensor | None) -> torch.Tensor:
         logits = getattr(output, "logits", output)
