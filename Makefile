@@ -8,7 +8,8 @@ PY     := $(VENV)/bin/python
 RUNTIME := $(VENV)/.runtime-0.5
 STAMP  := $(VENV)/.installed-0.5
 
-.PHONY: setup demo test test-fast test-slow test-heavy lint typecheck clean mutants docs docs-serve
+.PHONY: setup demo test test-fast test-slow test-heavy lint typecheck clean mutants docs docs-serve \
+	docs-run docs-screenshots
 
 setup: $(STAMP)
 
@@ -93,13 +94,25 @@ clean:
 	rm -rf runs .pytest_cache
 
 # The documentation site (docs/, mkdocs.yml) into site/: the flag reference is written from
-# TrainingConfig first (scripts/flag_reference.py, through the hook in mkdocs.yml), and a
-# broken link or anchor fails the build. docs-serve rebuilds it as you edit.
+# TrainingConfig and the command reference from the commands' parsers first
+# (scripts/flag_reference.py, scripts/docs_commands.py, through the hook in mkdocs.yml), and
+# a broken link or anchor fails the build. docs-serve rebuilds it as you edit.
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict
 
 docs-serve: $(STAMP)
 	$(VENV)/bin/mkdocs serve
+
+# Every shell and python block of README.md and docs/ runs on CPU, page by page in a scratch
+# directory (scripts/docs_run.py), but those marked `<!-- docs: no-run (REASON) -->` (a GPU,
+# a cluster, a long run), whose syntax and flags are checked only. About 3 minutes on 2 cores.
+docs-run: $(STAMP)
+	$(PY) scripts/docs_run.py
+
+# docs/assets/home.png and how-to.png, the built site drawn by headless Chromium (Debian's
+# `chromium` package): scripts/docs_screenshots.py.
+docs-screenshots: docs
+	$(PY) scripts/docs_screenshots.py
 
 # Benchmarks: ddptrain against a hand-written DDP loop, Lightning Fabric and HF Accelerate
 # (bench/run.py; writes docs/BENCHMARKS.md and docs/benchmarks.png). The competitors live

@@ -1,8 +1,9 @@
 """Check the commands in the documentation against the real parsers, without running them.
 
-Every fenced ```bash / ```sh / ```python block of README.md and docs/**/*.md is read. In the
-shell blocks each command (backslash continuations joined, `#` comments dropped, split at
-`|`, `&&`, `||` and `;`) that runs ddptrain is found:
+Every fenced ```bash / ```sh / ```console / ```python block of README.md and docs/**/*.md is
+read (a ```console block's commands are its `$ ` lines; ```text and unlabelled blocks are
+output, never read). In the shell blocks each command (backslash continuations joined, `#`
+comments dropped, split at `|`, `&&`, `||` and `;`) that runs ddptrain is found:
 
     ddptrain COMMAND ...            python -m ddptrain COMMAND ...
     ddprun [launcher flags] -m ddptrain COMMAND ...      (torchrun ... -m ddptrain, too)
@@ -12,8 +13,14 @@ and each of its flags must be one the command's own parser defines (`ddptrain tr
 `config_cli.build_parser()`; `plan`, `doctor`, `ray`, `export`, `evaluate`, ...: theirs in
 `ddptrain.cli`, with the train flags that evaluate, predict and ray pass on), spelled in full;
 a launcher's flags must be torchrun's. Values are not checked (the docs write placeholders:
-`hf:DIR`, `N`). Every python block must parse, and the keywords of a `fit(...)` call must
-be fields of `TrainingConfig` or `fit`'s own parameters.
+`hf:DIR`, `N`). Every shell block must pass `bash -n`, every python block must parse, and
+the keywords of a `fit(...)` call must be fields of `TrainingConfig` or `fit`'s own
+parameters.
+
+A block that cannot run on a CPU machine (scripts/docs_run.py runs the others) says why on
+the line before its fence, and is checked here all the same:
+
+    <!-- docs: no-run (needs a GPU) -->
 
     python scripts/docs_check.py                 # README.md and docs/, from the repo root
     python scripts/docs_check.py FILE.md ...     # those files
@@ -30,6 +37,7 @@ import dataclasses
 import inspect
 import re
 import shlex
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,14 +49,18 @@ SHELL = {"bash", "sh", "shell", "console"}
 # a command whose flags, besides its own, are ddptrain train's (the rest it passes on)
 PASSES_TRAIN_FLAGS = {"evaluate", "predict", "ray"}
 FLAG = re.compile(r"^--?[A-Za-z][A-Za-z0-9_-]*$")
+# `<!-- docs: no-run (REASON) -->` on the line before a fence: the block is checked, not run
+MARK = re.compile(r"^\s*<!--\s*docs:\s*no-run\s*\((?P<reason>[^()]*\S[^()]*)\)\s*-->\s*$")
+ANY_MARK = re.compile(r"^\s*<!--\s*docs:")
 
 
 @dataclass
 class Block:
     path: Path
     line: int  # of the opening fence, 1-based
-    lang: str
+    lang: str  # "shell" or "python"
     text: str
+    no_run: str | None = None  # why it is not run (its marker's reason), or None: it runs
 
 
 @dataclass
@@ -61,13 +73,30 @@ class Report:
     errors: list[str] = field(default_factory=list)
 
 
-def blocks(path: Path) -> Iterator[Block]:
-    """The fenced bash/sh/python blocks of a markdown file."""
+def blocks(path: Path, errors: list[str] | None = None) -> Iterator[Block]:
+    """The fenced bash/sh/console/python blocks of a markdown file, each with the reason of
+    the `<!-- docs: no-run (...) -->` marker on the line before it. A `<!-- docs:` comment
+    that is not such a marker, or a marker that stands before no such block, is an error
+    (appended to `errors`)."""
     lines = path.read_text().splitlines()
+    marked: tuple[int, str] | None = None  # (line, reason) of a marker waiting for its fence
     i = 0
     while i < len(lines):
+        if ANY_MARK.match(lines[i]):
+            m = MARK.match(lines[i])
+            if m is None and errors is not None:
+                errors.append(f"{_rel(path)}:{i + 1}: not a marker: write "
+                              "<!-- docs: no-run (REASON) -->")
+            if m is not None:
+                marked = (i + 1, " ".join(m.group("reason").split()))
+            i += 1
+            continue
         m = FENCE.match(lines[i])
         if not m:
+            if lines[i].strip() and marked and errors is not None:
+                errors.append(f"{_rel(path)}:{marked[0]}: the no-run marker is not on the "
+                              "line before a fence")
+                marked = None
             i += 1
             continue
         indent, lang = len(m.group(1)), m.group(2).lower()
@@ -77,8 +106,28 @@ def blocks(path: Path) -> Iterator[Block]:
             body.append(lines[i][indent:] if lines[i][:indent].strip() == "" else lines[i])
             i += 1
         i += 1
+        reason = marked[1] if marked else None
         if lang in SHELL or lang == "python":
-            yield Block(path, start, "python" if lang == "python" else "shell", "\n".join(body))
+            text = "\n".join(_console_commands(body) if lang == "console" else body)
+            yield Block(path, start, "python" if lang == "python" else "shell", text, reason)
+        elif marked and errors is not None:
+            errors.append(f"{_rel(path)}:{marked[0]}: a no-run marker before a {lang or 'plain'} "
+                          "block, which is never run")
+        marked = None
+
+
+def _console_commands(body: list[str]) -> list[str]:
+    """A console block's commands: its `$ ` lines (and their continuations), the prompt
+    cut; the output between them becomes blank lines, so that line numbers hold."""
+    out, continued = [], False
+    for line in body:
+        if line.startswith("$ ") or continued:
+            command = line[2:] if line.startswith("$ ") and not continued else line
+            out.append(command)
+            continued = command.rstrip().endswith("\\")
+        else:
+            out.append("")
+    return out
 
 
 def logical_lines(text: str) -> Iterator[tuple[int, str]]:
@@ -183,17 +232,36 @@ class Checker:
             inspect.signature(fit).parameters)
         self.report = Report()
 
-    def check_file(self, path: Path) -> None:
-        for block in blocks(path):
-            self.report.blocks += 1
-            if block.lang == "python":
-                self.report.python_blocks += 1
-                self.check_python(block)
-            else:
-                self.report.shell_blocks += 1
-                for offset, line in logical_lines(block.text):
-                    for words in simple_commands(line):
-                        self.check_command(words, f"{_rel(block.path)}:{block.line + 1 + offset}")
+    def check_file(self, path: Path) -> list[Block]:
+        """Check every block of the page; its blocks, for scripts/docs_run.py."""
+        found = list(blocks(path, self.report.errors))
+        for block in found:
+            self.check_block(block)
+        return found
+
+    def check_block(self, block: Block) -> list[str]:
+        """Check one block; the errors it added."""
+        before = len(self.report.errors)
+        self.report.blocks += 1
+        if block.lang == "python":
+            self.report.python_blocks += 1
+            self.check_python(block)
+        else:
+            self.report.shell_blocks += 1
+            self.check_shell_syntax(block)
+            for offset, line in logical_lines(block.text):
+                for words in simple_commands(line):
+                    self.check_command(words, f"{_rel(block.path)}:{block.line + 1 + offset}")
+        return self.report.errors[before:]
+
+    def check_shell_syntax(self, block: Block) -> None:
+        done = subprocess.run(["bash", "-n"], input=block.text, text=True, capture_output=True)
+        if done.returncode != 0:
+            # bash: line N: syntax error ...: N counts from the block's first line
+            m = re.search(r"line (\d+): (.*)", done.stderr)
+            offset, text = (int(m.group(1)), m.group(2)) if m else (1, done.stderr.strip())
+            self._fail(f"{_rel(block.path)}:{block.line + offset}",
+                       f"shell block does not parse (bash -n): {text}")
 
     def _fail(self, where: str, text: str) -> None:
         self.report.errors.append(f"{where}: {text}")

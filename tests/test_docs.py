@@ -1,6 +1,8 @@
 """The documentation cannot go stale: every command line in README.md and docs/ names flags
-the real parsers define (scripts/docs_check.py), the flag reference is what
-`TrainingConfig` generates (scripts/flag_reference.py), every command and exit code has
+the real parsers define (scripts/docs_check.py), and the blocks that can run on CPU run
+(scripts/docs_run.py: `make docs-run` runs the whole docs in CI; here, a tiny tree), the
+flag reference is what `TrainingConfig` generates (scripts/flag_reference.py), the command
+reference what the commands' parsers print (scripts/docs_commands.py), every exit code has
 its entry, README.md stays a front door, and every relative link resolves."""
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ def _script(name: str) -> ModuleType:
 @pytest.fixture(scope="module")
 def docs_check() -> ModuleType:
     return _script("docs_check")
+
+
+@pytest.fixture(scope="module")
+def docs_run() -> ModuleType:
+    return _script("docs_run")
 
 
 def _pages() -> list[Path]:
@@ -88,17 +95,88 @@ def test_the_flag_reference_lists_every_field_of_the_config_with_its_help() -> N
     assert len(rows) == len(dataclasses.fields(TrainingConfig))
 
 
-def test_every_command_and_exit_code_has_its_entry() -> None:
-    from ddptrain import errors
+def test_the_command_reference_lists_every_command_as_its_parser_prints_it() -> None:
     from ddptrain.cli import COMMANDS
 
-    commands = (DOCS / "reference" / "commands.md").read_text()
+    docs_commands = _script("docs_commands")
+    page = (DOCS / "reference" / "commands.md").read_text()
+    assert page == docs_commands.render(), (
+        "docs/reference/commands.md is out of date: run python scripts/docs_commands.py")
+    sections = {name: (description, usage) for name, description, usage, _
+                in docs_commands.sections()}
+    assert list(sections) == list(COMMANDS)
     for name in COMMANDS:
-        assert f"## `ddptrain {name}`" in commands, name
+        description, usage = sections[name]
+        assert f"## `ddptrain {name}`" in page, name
+        assert usage.startswith(f"usage: ddptrain {name} ") and usage in page, name
+        assert description and description in page, name
+    parsers = _script("docs_check").command_parsers()
+    for name in COMMANDS.keys() - {"train"}:  # train's flags are flags.md's
+        section = page.split(f"## `ddptrain {name}`\n")[1].split("\n## ")[0]
+        for option in parsers[name]._option_string_actions:
+            assert option in ("-h", "--help") or f"`{option}" in section, (name, option)
+
+
+def test_every_exit_code_has_its_entry() -> None:
+    from ddptrain import errors
+
     codes = (DOCS / "reference" / "exit-codes.md").read_text()
     for name in dir(errors):
         if name.startswith("EXIT_"):
             assert f"| {getattr(errors, name)} |" in codes, name
+
+
+def test_blocks_are_marked_and_console_prompts_read(docs_check: ModuleType,
+                                                    tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# A page\n\n<!-- docs: no-run (needs a GPU) -->\n```bash\nnvidia-smi\n```\n\n"
+        "```console\n$ ddptrain train --epochs 1\ndone: 1 epochs\n```\n\n"
+        "<!-- docs: no-run () -->\n```python\npass\n```\n\n"
+        "<!-- docs: no-run (output) -->\n```text\nout\n```\n\n"
+        "```bash\nif then fi\n```\n"
+    )
+    errors: list[str] = []
+    found = list(docs_check.blocks(page, errors))
+    assert [(b.line, b.lang, b.no_run) for b in found] == [
+        (4, "shell", "needs a GPU"), (8, "shell", None), (14, "python", None), (23, "shell", None)]
+    assert found[1].text == "ddptrain train --epochs 1\n", found[1].text  # the output dropped
+    assert errors == [f"{page}:13: not a marker: write <!-- docs: no-run (REASON) -->",
+                      f"{page}:18: a no-run marker before a text block, which is never run"]
+    report = docs_check.check([page])
+    assert any(e.startswith(f"{page}:24: shell block does not parse") for e in report.errors), (
+        report.errors)
+
+
+def test_the_runner_fails_on_a_renamed_flag_and_a_failing_block(
+        docs_run: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The runner on a tiny tree: a copy of a how-to page with a flag renamed, and a page
+    whose python block fails after a block that uses the page's earlier one."""
+    steer = tmp_path / "steer.md"
+    text = (DOCS / "how-to" / "steer.md").read_text()
+    assert text.count("--early_stopping 3") == 1
+    steer.write_text(text.replace("--early_stopping 3", "--early_stop 3"))
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# A page\n\n```bash\necho one > made.txt\n```\n\n"
+        "```python\nfrom pathlib import Path\n\nassert Path('made.txt').read_text() == 'one\\n'\n"
+        "print('the earlier block ran here')\n```\n\n"
+        "```python\nraise SystemExit('this block fails')\n```\n\n"
+        "```bash\necho never\n```\n\n"
+        "<!-- docs: no-run (needs a GPU) -->\n```bash\nnvidia-smi\n```\n"
+    )
+    assert docs_run.main([str(steer), str(page)]) == 1
+    out = capsys.readouterr().out
+    fence = 1 + text.splitlines().index("```bash")  # steer.md's first block
+    assert f"{steer}:{fence + 1}: ddptrain train: unknown flag --early_stop" in out, out
+    assert f"{steer}:{fence}: not run: its check failed" in out, out
+    assert f"not run: the block at {steer}:{fence} failed" in out, out  # the page's others
+    assert f"{page}:14: the python block failed: exit 1" in out, out
+    assert "this block fails" in out, out  # the end of its output
+    assert f"{page}:18: not run: the block at {page}:14 failed" in out, out
+    assert "never" not in out.replace("echo never", ""), out
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith("docs: 3 blocks run, 1 checked only (needs a GPU 1); "), summary
 
 
 def test_the_readme_is_a_front_door() -> None:

@@ -1,5 +1,6 @@
-"""`ddptrain plan`: which layouts and micro-batches a model fits on a cluster, and which of
-them should run fastest, before a single GPU is allocated.
+"""`ddptrain plan`: the layouts and micro-batches a model fits on a cluster, fastest first.
+
+All of it before a single GPU is allocated:
 
     ddptrain plan --model hf:examples/llama-70b --nodes 8 --gpus_per_node 8 --gpu H100 \\
         --block_size 4096 --global_batch_size 512

@@ -152,6 +152,7 @@ class GPT(nn.Module):
         # Weight tying: input and output embeddings share one matrix, which saves
         # vocab_size * n_embd parameters and generally helps small language models.
         self.lm_head.weight = self.wte.weight
+        self.context_parallel: Any = None  # --cp: positions of this rank's slice (`parallel.cp`)
         self.apply(self._init_weights)  # the experts' batched weights keep their own
         # GPT-2 scaling: each residual projection is shrunk by 1/sqrt(2 * n_layer) so the
         # residual stream's variance does not grow with depth.
@@ -188,7 +189,7 @@ class GPT(nn.Module):
                 f"{self.config.block_size}: shorten the input or build a larger model"
             )
         # under --cp the positions are a slice's, and attention builds the whole mask
-        split = self.blocks[0].attn.context_parallel if len(self.blocks) else None
+        split = self.context_parallel
         mask = None if position_ids is None or split is not None else document_mask(position_ids)
         pos = position_ids if position_ids is not None else (
             torch.arange(t, device=idx.device) if split is None else split.positions(t, idx.device))

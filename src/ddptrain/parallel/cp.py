@@ -153,13 +153,13 @@ def context_parallel(module: nn.Module, ctx: DistributedContext, cp: int) -> Non
                           f"heads of a rank ({heads} heads / --tp {tp}): choose --cp among "
                           "their divisors")
     for m in takers:
-        m.context_parallel = split
+        setattr(m, "context_parallel", split)  # noqa: B010 (a module attribute, not a field)
 
 
 def of(module: nn.Module) -> ContextParallel | None:
     """The cp ranks `module`'s attention was given (`context_parallel`), if any."""
-    return next((m.context_parallel for m in module.modules()
-                 if isinstance(getattr(m, "context_parallel", None), ContextParallel)), None)
+    found = (getattr(m, "context_parallel", None) for m in module.modules())
+    return next((f for f in found if isinstance(f, ContextParallel)), None)
 
 
 def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -172,5 +172,6 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key, value = (z.repeat_interleave(groups, dim=1) for z in (key, value))
-    y = module.context_parallel.attention(query, key, value, dropout, scaling)
+    split: ContextParallel = getattr(module, "context_parallel")  # noqa: B009
+    y = split.attention(query, key, value, dropout, scaling)
     return y.transpose(1, 2).contiguous(), None
