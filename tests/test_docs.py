@@ -199,3 +199,14 @@ def test_every_relative_link_resolves(page: Path) -> None:
         if not (page.parent / path).exists():
             broken.append(target)
     assert broken == [], broken
+
+
+def test_the_python_api_page_documents_every_exported_name() -> None:
+    """docs/reference/api.md renders each name of `ddptrain.__all__` from its docstring
+    (mkdocstrings), so a name added to the API without its entry fails."""
+    import ddptrain
+
+    page = (DOCS / "reference" / "api.md").read_text()
+    documented = {line.split()[1].rsplit(".", 1)[1] for line in page.splitlines()
+                  if line.startswith("::: ")}
+    assert documented == set(ddptrain.__all__)
