@@ -52,6 +52,20 @@ def test_a_rank_takes_its_slice_of_every_row_with_global_positions_and_aligned_l
     assert torch.equal(got["position_ids"], torch.arange(4).expand(2, 4))
 
 
+
+def test_a_model_whose_attention_never_came_to_the_cp_ranks_is_refused() -> None:
+    """A Hugging Face model whose attention bypasses transformers' interface would train
+    each rank on its slice alone: its second batch is refused in one line."""
+    from ddptrain.errors import ConfigError
+
+    split = ContextParallel(None, 0, 2)
+    split.verify = True
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    split.shard(ids, ids)
+    with pytest.raises(ConfigError, match="does not go through transformers' attention"):
+        split.shard(ids, ids)
+
+
 def _sliced_attention(rank: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       w: torch.Tensor, positions: torch.Tensor | None, cp: int) -> Any:
     split = ContextParallel(dist.group.WORLD, rank, cp)

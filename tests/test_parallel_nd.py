@@ -44,6 +44,8 @@ def test_mesh_layout_keeps_tp_innermost_and_derives_the_shards() -> None:
     ({"cp": 3}, 4, "cp 3 x tp 1 x pp 1: 1 x 3 x 1 x 1 = 3 does not divide 4 ranks"),
     ({"cp": 2, "block_size": 33}, 4, "--cp 2 does not divide --block_size 33"),
     ({"cp": 2, "tp": 2}, 4, "--cp 2 with --tp 2 --pp 1 needs --strategy fsdp"),
+    ({"cp": 2, "tp": 2, "strategy": "fsdp", "sequence_parallel": True}, 4,
+     "--cp 2 with --sequence_parallel: both split the sequence"),
     ({"cp": 2, "ep": 3}, 4, "--ep 3 does not divide the 4 data-parallel x cp ranks of 4"),
     ({"strategy": "fsdp", "dp_replicate": 3, "tp": 2}, 8, "6 does not divide 8 ranks"),
     ({"pp": 3}, 4, "tp 1 x pp 3: 1 x 1 x 1 x 3 = 3 does not divide 4 ranks"),

@@ -52,6 +52,9 @@ class ContextParallel:
         self.shift = False  # the targets are a Hugging Face batch's labels: shift them here
         self._positions: torch.Tensor | None = None  # packed documents' (B, T); None: causal
         self._mask: torch.Tensor | None = None
+        # a model whose attention should come here (a whole Hugging Face one): checked
+        # that it did, once a batch has run, rather than trained on slices apart
+        self.verify, self._calls, self._shards = False, 0, 0
 
     def shard(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
         """This rank's slice of a batch every cp rank holds whole: (B, T) token ids and
@@ -68,6 +71,11 @@ class ContextParallel:
             raise ConfigError(f"--cp {self.size} does not divide the sequence length {t}: "
                               "each rank takes an equal slice; choose --block_size (or "
                               "the data's length) a multiple of --cp")
+        if self.verify and self._shards and not self._calls:
+            raise ConfigError(f"--cp {self.size}: this model's attention does not go through "
+                              "transformers' attention interface, so its ranks would attend "
+                              "within their own slices; run it without --cp")
+        self._shards += 1
         given = inputs.get("position_ids") if isinstance(inputs, dict) else None
         self._positions, self._mask = given, None
         n = t // self.size
@@ -95,6 +103,7 @@ class ContextParallel:
             raise ConfigError(f"--cp {self.size} does not divide the {q.size(1)} attention "
                               "heads a rank computes (heads / --tp): choose --cp among "
                               "their divisors")
+        self._calls += 1
         q, k, v = (self._to_heads(z) for z in (q, k, v))
         mask = self._whole_mask()
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
@@ -142,6 +151,7 @@ def context_parallel(module: nn.Module, ctx: DistributedContext, cp: int) -> Non
         AttentionInterface.register(HF_NAME, _hf_attention)
         module.set_attn_implementation(HF_NAME)  # type: ignore[operator]
         takers = [m for m in module.modules() if type(m).__name__.endswith("Attention")]
+        split.verify = ctx.mesh["pp"].size() == 1  # (a pipeline stage may hold none)
     if not takers:
         raise ConfigError(f"--cp {cp} splits the sequences of the built-in GPT (--model gpt) "
                           "or of a Hugging Face language model (hf:DIR); this model is "

@@ -76,6 +76,11 @@ def plan_mesh(
             f"--cp {c} does not divide --block_size {config.block_size}: each of the {c} "
             "ranks takes an equal slice of every sequence; choose a multiple of --cp"
         )
+    if c > 1 and config.sequence_parallel:
+        raise ConfigError(
+            f"--cp {c} with --sequence_parallel: both split the sequence, and only one may; "
+            "drop --sequence_parallel (--cp already splits the norms' activations)"
+        )
     if c > 1 and (t > 1 or p > 1) and config.strategy != "fsdp":
         raise ConfigError(
             f"--cp {c} with --tp {t} --pp {p} needs --strategy fsdp, which averages the "
