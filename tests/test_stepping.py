@@ -132,19 +132,24 @@ def _score(loss: float) -> Any:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_language_model_step_makes_one_collective_beyond_the_gradient_reduction(
-    tmp_path: Path, strategy: str
+@pytest.mark.parametrize(("strategy", "dataset", "extra"), [
+    ("ddp", "packplug:documents", 1), ("fsdp", "packplug:documents", 1),
+    ("ddp", "chars", 0), ("fsdp", "chars", 1),
+])
+def test_a_language_model_step_makes_at_most_one_collective_beyond_the_gradient_reduction(
+    tmp_path: Path, strategy: str, dataset: str, extra: int
 ) -> None:
-    """The window's token count and (fsdp: each rank checks its own shards) the
-    non-finite flag travel in one all-reduce; ddp's ranks hold the same gradients, so
-    its flag needs none."""
+    """Packed documents (some targets not scored): the window's token count and (fsdp:
+    each rank checks its own shards) the non-finite flag travel in one all-reduce; ddp's
+    ranks hold the same gradients, so its flag needs none. Windows of a token stream
+    score every target: their count is known, and ddp's step makes no collective of its
+    own, fsdp's the flag's alone."""
     from dist_utils import run_ranks
     from workers import count_step_collectives
 
-    cfg = dict(dataset="chars", block_size=16, width=16, batch_size=16, epochs=1,
-               strategy=strategy, log_interval=2, use_amp=False,
-               output_dir=str(tmp_path / "run"), tensorboard=False)
+    cfg = dict(dataset=dataset, block_size=16, width=16, batch_size=16, epochs=1,
+               strategy=strategy, log_interval=2, use_amp=False, pack=dataset != "chars",
+               num_workers=0, output_dir=str(tmp_path / "run"), tensorboard=False)
     ranks = run_ranks(count_step_collectives, 2, tmp_path, cfg)
     for r in ranks:
-        assert r["per_step"] == [1] * r["steps"], r
+        assert r["steps"] > 1 and r["per_step"] == [extra] * r["steps"], r

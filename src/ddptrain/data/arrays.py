@@ -23,10 +23,14 @@ class ArrayDataset(Dataset):
     a hand-written loop. `__getitems__` lets a DataLoader take the same path.
     """
 
-    def __init__(self, x: Any, y: Any, scale: float | None = None) -> None:
+    def __init__(self, x: Any, y: Any, scale: float | None = None,
+                 targets_each: int | None = None) -> None:
+        """`targets_each`: token windows whose every target is scored, T of them a sample
+        (`data.text.TokenWindows.targets_each`); None: not known."""
         if len(x) != len(y):
             raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
         self.x, self.y, self.scale = x, y, scale
+        self.targets_each = targets_each
 
     def __len__(self) -> int:
         return len(self.y)

@@ -164,7 +164,8 @@ def _chars(config: TrainingConfig) -> DataBundle:
     windows = char_lm_datasets(config.block_size, val_fraction(config), config.seed)
     train, val, vocab = windows[0], windows[1], windows[2]
     facts = DataFacts((config.block_size,), (config.block_size,), False, vocab_size=vocab)
-    return DataBundle(ArrayDataset(train.x, train.y), ArrayDataset(val.x, val.y), facts)
+    return DataBundle(ArrayDataset(train.x, train.y, targets_each=train.targets_each),
+                      ArrayDataset(val.x, val.y), facts)
 
 
 def _npz(config: TrainingConfig) -> DataBundle:

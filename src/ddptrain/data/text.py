@@ -26,7 +26,9 @@ class TokenWindows(Dataset):
     """Fixed-length token windows held in memory: inputs `x` (N, T), next tokens `y` (N, T).
 
     `batch` and `__getitems__` fetch many windows with one indexing operation, so a loader
-    can slice batches in-process instead of collating single samples.
+    can slice batches in-process instead of collating single samples. `targets_each`: T
+    where every target is scored (none is -100), so that a step's token count is its
+    windows' count times T, known without counting (or all-reducing) it; else None.
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -35,6 +37,7 @@ class TokenWindows(Dataset):
                 f"x and y must both have shape (N, T), got {tuple(x.shape)} and {tuple(y.shape)}"
             )
         self.x, self.y = x, y
+        self.targets_each = int(y.shape[1]) if bool((y != -100).all()) else None
 
     def __len__(self) -> int:
         return len(self.x)

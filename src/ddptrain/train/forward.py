@@ -3,8 +3,10 @@
 Each micro-batch's loss is the task's *sum*, scaled by the data-parallel world size over
 the global count of its accumulation window, so that the gradients reduced at the
 window's end are the mean over the whole optimizer step (see `ddptrain.train.trainer`).
-Where the count is only known from the data (tokens, iterable datasets) the scale uses a
-nominal count, and `stepping.optimizer_step` rescales by the true global one.
+Where the count is only known from the data (tokens some of which are not scored,
+iterable datasets) the scale uses a nominal count, and `stepping.optimizer_step` rescales
+by the true global one; windows of a token stream score every token, and their count is
+their samples' times their length (`counting`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ddptrain.data import Micro, mark_batch_dynamic, parse_output, split, to_device
+from ddptrain.data.bundle import DataBundle, attr_through
 from ddptrain.train.metrics import MetricSums
 
 if TYPE_CHECKING:
@@ -59,9 +62,19 @@ def forward_backward(
     return inputs
 
 
+def counting(task: Any, data: DataBundle) -> tuple[bool, int]:
+    """Whether a step's count is known only from the data (tokens, iterable samples): the
+    loss is then scaled by a nominal count, and the step rescales by the true global one,
+    a collective (`stepping.rescale_to_global_count`); and the targets each sample counts
+    otherwise: windows whose every target is scored (`data.text.TokenWindows`) count T
+    tokens each, known without one."""
+    each = attr_through(data.train, "targets_each") if task.dynamic_count else None
+    return (task.dynamic_count and each is None) or data.iterable, int(each or 1)
+
+
 def loss_scale(trainer: Trainer, micro: Micro) -> float:
     """What a micro-batch's summed loss is multiplied by before backward."""
     # DDP averages gradients over the (data-parallel x cp) ranks, hence their number.
     if trainer.dynamic:
         return trainer.ctx.grad_world / trainer.nominal
-    return trainer.ctx.grad_world / micro.window_samples
+    return trainer.ctx.grad_world / (micro.window_samples * trainer.targets_each)

@@ -63,7 +63,7 @@ from ddptrain.parallel.parallelize import compile_pass, parallelize
 from ddptrain.train.backoff import BackedOff, Backoff, refuse_unsupported
 from ddptrain.train.ema import EMA
 from ddptrain.train.evaluate import Evaluator, named_figures
-from ddptrain.train.forward import forward_backward
+from ddptrain.train.forward import counting, forward_backward
 from ddptrain.train.metrics import (
     EpochMeter,
     MetricSums,
@@ -227,9 +227,7 @@ class Trainer:
         self.steps_per_epoch = self.train_batches.steps_per_epoch
         # An iterable dataset without a length has no planned end: a constant LR.
         self.total_steps = self.steps_per_epoch * cfg.epochs or 2**62
-        # Counts known only from the data (tokens, iterable samples): the loss is scaled by
-        # a nominal count, and the step rescales by the true global one.
-        self.dynamic = self.task.dynamic_count or self.data.iterable
+        self.dynamic, self.targets_each = counting(self.task, self.data)  # (`train.forward`)
         self.nominal = float(cfg.batch_size * cfg.grad_accum_steps * ctx.data_world)
 
     # ------------------------------------------------------------------ state
