@@ -149,4 +149,5 @@ bench: $(BENCH_STAMP)
 	$(BENCH_VENV)/bin/python bench/layouts.py
 	$(BENCH_VENV)/bin/python bench/layouts_raw.py
 	$(BENCH_VENV)/bin/python bench/moe.py
+	$(BENCH_VENV)/bin/python bench/cp.py
 	$(BENCH_VENV)/bin/python bench/step_costs.py

@@ -29,6 +29,7 @@ class Micro:
     window_samples: int  # samples of the optimizer step it belongs to (every rank)
     ends_window: bool  # the last micro-batch of its optimizer step
     position: int  # global samples of the epoch consumed once it is done (for an iterable
+    #                dataset: this rank's micro-batches of the epoch read once it is done)
 
 
 def plan_epoch(

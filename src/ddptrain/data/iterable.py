@@ -1,5 +1,7 @@
 """Iterable datasets: sharded over rank x DataLoader worker so every sample is seen once
-per epoch, and ranks that agree before each micro-batch that every one has another.
+per epoch, ranks that agree before each micro-batch that every one has another, and each
+(rank, worker)'s position in its shard saved with a checkpoint, so that a resume at the
+same layout and `--num_workers` continues mid-epoch exactly.
 """
 
 from __future__ import annotations
@@ -40,49 +42,75 @@ class RankShard(IterableDataset):
     """One (rank, DataLoader worker)'s share of an iterable dataset: every item lands on
     exactly one of them.
 
-    A stream that shards itself (`shards_itself`) is split at its source: each (rank,
-    worker) reads only its own shard, so at 64 GPUs x 4 workers every sample is still read
-    once. Any other stream is read whole by each of them, keeping every (world_size x
-    workers)-th item."""
+    A stream that shards itself (`shards_itself`, or a Hugging Face `IterableDataset`) is
+    split at its source: each (rank, worker) reads only its own shard, so at 64 GPUs x 4
+    workers every sample is still read once. Any other stream is read whole by each of
+    them, keeping every (world_size x workers)-th item.
+
+    Its position (`state_dict`) is that of the stream it reads: the shard's own where the
+    stream splits at its source, else the whole stream's and the items read of it. It
+    names the reader it belongs to, `[world_size, rank, workers, worker]`: the shard it
+    reads is that reader's alone. A position loaded (`load_state_dict`) is taken up when
+    the next iteration starts, in the DataLoader worker that reads it."""
 
     def __init__(self, dataset: IterableDataset, world_size: int, rank: int) -> None:
         self.dataset, self.world_size, self.rank = dataset, world_size, rank
         self.consumed = 0  # items of the underlying stream read in this epoch
-        self._start = 0  # where the next iteration starts (a resume)
         self.epoch: int | None = None
+        self._pending: dict[str, Any] | None = None  # a position to start from (a resume)
+        self._source: Any = None  # the shard being read, when the stream splits itself
+        self._reader: list[int] | None = None  # [world_size, rank, workers, worker]
 
     def __iter__(self) -> Iterator[Any]:
-        if is_hf_iterable(self.dataset):
-            yield from self._hf_split()
-            return
+        pending, self._pending = self._pending, None
         info = get_worker_info()
         workers, wid = (info.num_workers, info.id) if info else (1, 0)
-        stride = self.world_size * workers
-        offset = self.rank * workers + wid
-        if shards_itself(self.dataset):
-            try:
-                source = self.dataset.shard(num_shards=stride, index=offset)  # type: ignore[attr-defined]
-            except (ValueError, IndexError):  # fewer source shards than readers: stride
-                source = None
-            if source is not None:
-                yield from self._at_epoch(source)
-                return
-        start, self._start = self._start, 0
+        self._source, self._reader = None, [self.world_size, self.rank, workers, wid]
+        if pending is not None and pending.get("reader") not in (None, self._reader):
+            raise AssertionError(  # resume.py takes only positions of this layout
+                f"a stream position of reader {pending['reader']} given to {self._reader}"
+            )
+        source = self._split(workers, wid)
+        saved = pending.get("dataset") if pending is not None else None
+        if source is not None:
+            if saved is not None:
+                source.load_state_dict(saved)
+            self._source = source
+            yield from source
+            return
+        if saved is not None:
+            self.dataset.load_state_dict(saved)  # type: ignore[attr-defined]
+        start = int(pending["consumed"]) if pending is not None and saved is not None else 0
+        stride, offset = self.world_size * workers, self.rank * workers + wid
         self.consumed = start
         for i, item in enumerate(self.dataset, start=start):
             self.consumed = i + 1
             if i % stride == offset:
                 yield item
 
+    def _split(self, workers: int, wid: int) -> Any:
+        """This reader's shard of a stream that splits at its source, told the epoch; None
+        when the stream is read whole (it does not shard itself, or has fewer shards than
+        there are readers)."""
+        if is_hf_iterable(self.dataset):
+            return self._at_epoch(self._hf_split())
+        if not shards_itself(self.dataset):
+            return None
+        stride, offset = self.world_size * workers, self.rank * workers + wid
+        try:
+            source = self.dataset.shard(num_shards=stride, index=offset)  # type: ignore[attr-defined]
+        except (ValueError, IndexError):  # fewer source shards than readers: stride
+            return None
+        return self._at_epoch(source)
+
     def _hf_split(self) -> Any:
         """A `datasets.IterableDataset`, split as `split_dataset_by_node` splits it: by
         its shards when they divide among the ranks, else every rank keeps every
         world_size-th row; the dataset itself then splits a rank's part among DataLoader
-        workers (it does so whenever it runs in one)."""
+        workers (it does so whenever it runs in one), and keeps each worker's position."""
         from datasets.distributed import split_dataset_by_node
 
-        part = split_dataset_by_node(self.dataset, rank=self.rank, world_size=self.world_size)
-        return self._at_epoch(part)
+        return split_dataset_by_node(self.dataset, rank=self.rank, world_size=self.world_size)
 
     def _at_epoch(self, source: Any) -> Any:
         """A shard made from the stream starts at epoch 0 (Hugging Face's do): it is told
@@ -92,11 +120,25 @@ class RankShard(IterableDataset):
         return source
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.consumed, "dataset": self.dataset.state_dict()}  # type: ignore[attr-defined]
+        """Where this reader stands: before its first item, where it will start."""
+        if self._reader is None:  # not started (a DataLoader worker's first snapshot)
+            return self._pending or {"consumed": 0, "dataset": None, "reader": None}
+        if self._source is not None:
+            if not callable(getattr(self._source, "state_dict", None)):
+                raise ConfigError(
+                    f"the stream ({type(self.dataset).__name__}) has state_dict, but the "
+                    f"shards its shard() makes ({type(self._source).__name__}) do not: give "
+                    "them state_dict/load_state_dict too"
+                )
+            return {"consumed": 0, "dataset": self._source.state_dict(), "reader": self._reader}
+        return {
+            "consumed": self.consumed, "dataset": self.dataset.state_dict(),  # type: ignore[attr-defined]
+            "reader": self._reader,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dataset.load_state_dict(state["dataset"])  # type: ignore[attr-defined]
-        self._start = int(state["consumed"])
+        self._pending = dict(state)
+        self._source, self._reader = None, None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -113,21 +155,20 @@ class IterableBatches:
         self, dataset: IterableDataset, config: TrainingConfig, ctx: DistributedContext,
         collate: Callable[[list[Any]], Any] | None = None,
     ) -> None:
-        # Exact mid-epoch resume needs the dataset's own position: read in this process,
-        # or in each DataLoader worker by torchdata's StatefulDataLoader, which hands
-        # each its own again; a stream split at its source has a position per shard,
-        # which it does not share.
-        has_state = not shards_itself(dataset) and all(
-            hasattr(dataset, name) for name in ("state_dict", "load_state_dict")
+        # Exact mid-epoch resume needs the stream's own position: read in this process,
+        # or in each DataLoader worker, whose positions torchdata's StatefulDataLoader
+        # gathers after every batch and hands back to the same workers. A stream split
+        # at its source has a position per (rank, worker) shard, each saved that way.
+        self.no_position = no_position(dataset)  # why a resume restarts the epoch
+        self.stateful = self.no_position is None
+        self._workers = self.stateful and config.num_workers > 0  # the loader's position
+        self.loader = make_iterable_loader(
+            dataset, config, ctx, collate=collate,
+            kind=stateful_loader() if self._workers else DataLoader,
         )
-        stateful_loader = _stateful_loader() if has_state and config.num_workers else None
-        self.loader = make_iterable_loader(dataset, config, ctx, collate=collate,
-                                           kind=stateful_loader or DataLoader)
         self.shard: RankShard = self.loader.dataset  # type: ignore[assignment]
         self.ctx, self.accum = ctx, config.grad_accum_steps
         self._flag = torch.zeros(1, device=ctx.device)
-        self.stateful = has_state and (config.num_workers == 0 or stateful_loader is not None)
-        self._workers = stateful_loader is not None  # the position is the loader's
         self.state: dict[str, Any] | None = None  # after the last batch handed out
         self._resumed = False
         try:
@@ -149,16 +190,32 @@ class IterableBatches:
     def state_dict(self) -> dict[str, Any] | None:
         return self.state
 
-    def fits(self, state: Any) -> bool:
-        """Whether `state` (what `state_dict` saved) is a position this loader can take:
-        the shard's own without workers, else torchdata's, of as many workers as now."""
+    def fits(self, state: Any, rank: int) -> bool:
+        """Whether `state`, what `state_dict` saved on `rank`, is a position this loader
+        would take there: the stream's own without workers, else torchdata's, of as many
+        workers as now; each of them a position of the reader that reads it now."""
         if not isinstance(state, dict):
             return False
         if not self._workers:
-            return {"consumed", "dataset"} <= state.keys()
+            return {"consumed", "dataset"} <= state.keys() and self._ours(state, rank, 1, 0)
         snapshot = state.get("_snapshot")
         main = snapshot.get("_main_snapshot") if isinstance(snapshot, dict) else None
-        return isinstance(main, dict) and main.get("_num_workers") == self.loader.num_workers
+        workers = self.loader.num_workers
+        if not isinstance(main, dict) or main.get("_num_workers") != workers:
+            return False
+        kept = snapshot.get("_worker_snapshots") or {}  # type: ignore[union-attr]
+        return len(kept) == workers and all(
+            self._ours((kept.get(f"worker_{w}") or {}).get("dataset_state"), rank, workers, w)
+            for w in range(workers)
+        )
+
+    def _ours(self, position: Any, rank: int, workers: int, worker: int) -> bool:
+        """A (rank, worker)'s position names its reader once it has read (older
+        checkpoints name none): that reader's shard is the one this run reads there."""
+        if not isinstance(position, dict):
+            return False
+        reader = position.get("reader")
+        return reader is None or reader == [self.shard.world_size, rank, workers, worker]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the interrupted epoch where this rank's shard (or each of its
@@ -234,14 +291,36 @@ def make_iterable_loader(
     )
 
 
-def _stateful_loader() -> type[DataLoader] | None:
-    """torchdata's StatefulDataLoader (`pip install 'ddptrain[streams]'`), or None."""
-    try:
-        with warnings.catch_warnings():  # torchdata 0.11 announces its next major version
-            warnings.simplefilter("ignore")
-            from torchdata import stateful_dataloader  # type: ignore[import-untyped]
-    except ImportError:
-        return None
+def no_position(dataset: Any) -> str | None:
+    """Why a stream cannot say where it stands and start there again, or None when it can
+    (`state_dict` and `load_state_dict`; one that shards itself is taken to make shards
+    that can too)."""
+    if not all(callable(getattr(dataset, n, None)) for n in ("state_dict", "load_state_dict")):
+        return (f"the stream ({type(dataset).__name__}) keeps no position: an IterableDataset "
+                "needs state_dict/load_state_dict to continue part-way")
+    if is_hf_iterable(dataset) and _buffer_shuffled(getattr(dataset, "_ex_iterable", None)):
+        return ("the Hugging Face stream is shuffled through a buffer (.shuffle(buffer_size=...)"
+                "), whose samples its position leaves out: they would never train this epoch")
+    return None
+
+
+def _buffer_shuffled(node: Any) -> bool:
+    """Whether a `datasets` stream's pipeline of example iterables holds a shuffle buffer
+    (its state does not: `datasets` refills the buffer on a resume)."""
+    if node is None:
+        return False
+    if type(node).__name__ == "BufferShuffledExamplesIterable":
+        return True
+    inner = [getattr(node, "ex_iterable", None), *(getattr(node, "ex_iterables", None) or [])]
+    return any(_buffer_shuffled(n) for n in inner)
+
+
+def stateful_loader() -> type[DataLoader]:
+    """torchdata's StatefulDataLoader: a DataLoader whose `state_dict` holds each worker's
+    position in its stream."""
+    with warnings.catch_warnings():  # torchdata 0.11 announces its next major version
+        warnings.simplefilter("ignore")
+        from torchdata import stateful_dataloader  # type: ignore[import-untyped]
     # each epoch's iterator calls a torch API torch 2.13 deprecates: nothing for the user
     warnings.filterwarnings("ignore", r"'set_vital' is deprecated", UserWarning)
     loader: type[DataLoader] = stateful_dataloader.StatefulDataLoader

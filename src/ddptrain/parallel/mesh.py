@@ -219,9 +219,8 @@ def fsdp_mesh(ctx: DistributedContext) -> DeviceMesh | None:
         return None
     shards = _flat(ctx.mesh, ("dp_shard", "cp"))
     if ctx.mesh.size(DIMS.index("dp_replicate")) > 1:
-        if shards.mesh_dim_names == ("dp_shard",):
-            return ctx.mesh["dp_replicate", "dp_shard"]
-        return ctx.mesh["dp_replicate", shards.mesh_dim_names[0]]
+        (name,) = shards.mesh_dim_names or ("dp_shard",)
+        return ctx.mesh["dp_replicate", name]
     return shards
 
 

@@ -142,7 +142,8 @@ def _restore_position(trainer: Trainer, payload: dict[str, Any]) -> None:
             trainer.train_batches.load_state_dict(payload["data_state"][ctx.rank])
             return
         log.warning("%s: the stream cannot start part-way, epoch %d restarts from its "
-                    "beginning", why, progress.epoch + 1)
+                    "beginning (each sample of it read once, as this run splits the stream)",
+                    why, progress.epoch + 1)
         progress.samples_in_epoch = 0
         trainer.resumed_meter = None
     elif not same_layout:
@@ -156,27 +157,31 @@ def _restore_position(trainer: Trainer, payload: dict[str, Any]) -> None:
 def _stream_cannot_continue(
     trainer: Trainer, payload: dict[str, Any], same_layout: bool
 ) -> str | None:
-    """Why an iterable dataset's interrupted epoch cannot continue from the position the
-    checkpoint saved (the same on every rank: the config, the layout, the kind of
-    position), or None when it can. A position is the shard's own (`--num_workers 0`) or
-    each DataLoader worker's (torchdata's loader, as many workers as saved it): one saved
-    with another number of workers is another loader's, which this one cannot take."""
-    cfg, batches = trainer.config, trainer.train_batches
+    """Why an iterable dataset's interrupted epoch cannot continue from the positions the
+    checkpoint saved (the same on every rank: the stream, the config, the layout, the kind
+    of position), or None when it can. A position is the stream's own (`--num_workers 0`)
+    or each DataLoader worker's (torchdata's StatefulDataLoader); of a stream that shards
+    itself, each (rank, worker)'s shard's, which only that reader reads again."""
+    cfg, ctx, batches = trainer.config, trainer.ctx, trainer.train_batches
+    saved = payload.get("config") or {}
     states = payload.get("data_state") or [None]
     if not batches.stateful:
-        return ("an IterableDataset without state_dict/load_state_dict (or with DataLoader "
-                "workers but without torchdata: pip install 'ddptrain[streams]') keeps no "
-                "position")
+        return getattr(batches, "no_position", None) or "the stream keeps no position"
+    world = payload.get("world_size")
+    if world != ctx.world_size:
+        return (f"the checkpoint's stream positions are those of the shards of {world} ranks, "
+                f"this run has {ctx.world_size} (each rank reads another share of the stream now)")
     if not same_layout:
-        return ("the checkpoint's stream position was taken on another layout (world size, "
-                "--batch_size, --grad_accum_steps, --drop_last or --seed)")
-    saved = (payload.get("config") or {}).get("num_workers", cfg.num_workers)
-    if saved != cfg.num_workers:
-        return (f"the checkpoint's stream position was taken with --num_workers {saved}, "
-                f"this run has {cfg.num_workers} (a DataLoader continues only a position of "
-                "as many workers)")
-    fits = batches.fits if isinstance(batches, IterableBatches) else lambda state: True
-    if len(states) != trainer.ctx.world_size or not all(fits(s) for s in states):
+        what = ", ".join(changed(saved, cfg.to_dict(), LAYOUT))
+        return ("the checkpoint's stream positions were taken with another batch layout ("
+                + (what or "--batch_size, --grad_accum_steps, --drop_last or --seed") + ")")
+    workers = saved.get("num_workers", cfg.num_workers)
+    if workers != cfg.num_workers:
+        return (f"the checkpoint's stream positions were taken with --num_workers {workers}, "
+                f"this run has {cfg.num_workers} (each worker reads another share now, and a "
+                "DataLoader continues only the positions of as many workers)")
+    fits = batches.fits if isinstance(batches, IterableBatches) else lambda state, rank: True
+    if len(states) != ctx.world_size or not all(fits(s, r) for r, s in enumerate(states)):
         return "the checkpoint holds no stream position this run's DataLoader can take"
     return None
 
