@@ -181,3 +181,33 @@ def test_tokenize_stores_the_token_stream_a_run_would_make_and_refuses_it_damage
                                   "--output_dir", str(tmp_path / "run")])
     assert f"its token files {str(stored)!r} are damaged: ids.npy does not match its " \
         "checksum: run ddptrain tokenize again" in err, err
+
+
+@pytest.mark.slow
+def test_two_ranks_on_text_files_equal_one_process(tmp_path: Path, tokdir: Path) -> None:
+    """Text files tokenized as the run starts, cut into windows and packed by document: 2
+    gloo ranks end on one process's weights with the same global batch (SGD with momentum
+    and clipping; each rank tokenizes every file alike)."""
+    from dist_utils import run_ranks
+    from nd_workers import fit_runs
+
+    corpus = write_shards(tmp_path / "corpus")
+    for n in range(3, 12):
+        (corpus / f"shard-{n}.jsonl.gz").write_bytes(
+            (corpus / f"shard-{n % 3}.jsonl.gz").read_bytes())
+    base = dict(dataset=f"text:{corpus}/*.jsonl.gz", tokenizer=f"hf:{tokdir}", model="gpt",
+                width=32, block_size=8, epochs=1, optimizer="sgd", lr=0.1, momentum=0.9,
+                max_grad_norm=1.0, seed=0, log_interval=1, tensorboard=False, curves=False,
+                num_workers=0)
+
+    def runs(name: str, batch: int) -> list[dict[str, Any]]:
+        return [{**base, "pack": pack, "batch_size": batch,
+                 "output_dir": str(tmp_path / name / str(pack))} for pack in (False, True)]
+
+    two = run_ranks(fit_runs, 2, tmp_path, runs("two", 2))[0]
+    one = run_ranks(fit_runs, 1, tmp_path, runs("one", 4))[0]
+    for a, b in zip(two, one, strict=True):
+        assert a["summary"]["steps"] > 1
+        for name, value in b["weights"].items():
+            torch.testing.assert_close(a["weights"][name], value, atol=1e-6, rtol=0,
+                                       msg=name)
