@@ -62,8 +62,8 @@ def test_bad_layouts_are_refused_before_the_group(
 
 
 WORLD_3 = (
-    "world size 3 is not dp_replicate 1 x data-parallel shards x tp 2 x pp 1: 1 x 2 x 1 = 2 "
-    "does not divide 3 ranks; choose degrees whose product divides the world size"
+    "world size 3 is not dp_replicate 1 x data-parallel shards x cp 1 x tp 2 x pp 1: 1 x 1 "
+    "x 2 x 1 = 2 does not divide 3 ranks; choose degrees whose product divides the world size"
 )
 HEADS = "--tp 8 does not divide the GPT's 4 attention heads: choose a tp that does"
 

@@ -21,6 +21,7 @@ from typing import Any
 from ddptrain import api
 from ddptrain.config import TrainingConfig
 from ddptrain.config_values import OBJECT_FIELDS
+from ddptrain.errors import ConfigError
 from ddptrain.launch.failures import own_errors
 
 log = logging.getLogger("ddptrain")
@@ -76,7 +77,8 @@ def evaluate(
 def predict(
     source: str | Path, output: str | Path, *, split: str | None = None, model: Any = None,
     datasets: Any = None, collate: Any = None, argv: Sequence[str] = (),
-    trust_checkpoint_code: bool = False, overwrite: bool = False, **fields: Any,
+    trust_checkpoint_code: bool = False, overwrite: bool = False,
+    max_new_tokens: int | None = None, **fields: Any,
 ) -> int:
     """Write a trained model's outputs for every sample of a set to `output` (`.npy`,
     `.pt` or `.jsonl`), one row per sample in the set's order, on any world size (rank 0
@@ -84,8 +86,21 @@ def predict(
     `source`, `argv`, `fields`, `model`, `datasets`, `collate`, `split`,
     `trust_checkpoint_code` and `overwrite` are as in `evaluate` (so a `--dataset` other
     than the run's is predicted whole). Logs how many rows it wrote of how many the data
-    holds; returns the number of rows."""
+    holds; returns the number of rows.
+
+    A `chat:` dataset written to a `.jsonl` file is a file of prompts: each line of
+    `output` is then `{"index": i, "prompt": ..., "reply": "..."}`, the assistant's reply
+    generated greedily (`train.generate`), at most `max_new_tokens` tokens (default 64),
+    for every row of the dataset's files in their order (`split` may only be `all`)."""
     from ddptrain.train import after
+    from ddptrain.train.generate import (
+        MAX_NEW_TOKENS,
+        Prompts,
+        check_max_new_tokens,
+        generate_replies,
+        prompt_data,
+        wants_replies,
+    )
     from ddptrain.train.inference import check_split, describe_split
     from ddptrain.train.predict import check_output, predict_set
 
@@ -93,8 +108,31 @@ def predict(
     check_output(out, overwrite)
     if split is not None:
         check_split(split)
+    new_tokens = MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+    check_max_new_tokens(new_tokens)
+
+    def prompts(config: TrainingConfig) -> Any:
+        if datasets is not None or not wants_replies(config, out):
+            if max_new_tokens is not None:
+                raise ConfigError(f"--max_new_tokens {max_new_tokens} applies to replies, and "
+                                  "there are none to generate: give a chat:PATH --dataset of "
+                                  "prompts and a .jsonl --output, or drop the flag")
+            return None
+        if split not in (None, "all"):
+            raise ConfigError(f"--split {split} is invalid with prompts to answer "
+                              f"(--dataset {config.dataset} and a .jsonl --output): every "
+                              "row of the files is answered; drop --split")
+        return prompt_data(config)
+
+    def pick(data: Any, split: str) -> Any:
+        return data.train if isinstance(data.train, Prompts) else after.pick_rows(data, split)
 
     def work(run: api.Resolved, ctx: Any, module: Any, dataset: Any, split: str) -> int:
+        if isinstance(dataset, Prompts):
+            rows = generate_replies(module, dataset, run.config, run.precision, ctx, out,
+                                    new_tokens, overwrite)
+            log.info("predict: wrote %d replies (%s) to %s", rows, run.config.dataset, out)
+            return rows
         rows = predict_set(module, dataset, run.config, run.precision, ctx, out,
                            run.data.collate, overwrite)
         log.info("predict: wrote %d rows (%s) to %s", rows,
@@ -104,7 +142,7 @@ def predict(
     rows, _, _, _, _ = _after_training(
         source, argv, fields, model, datasets, None, collate, work, "ddptrain predict",
         trust_checkpoint_code, split, needs=("model", "dataset", "collate"),  # no task
-        pick=after.pick_rows, own=after.command_flags(source, split, out, overwrite),
+        pick=pick, own=after.command_flags(source, split, out, overwrite), own_data=prompts,
     )
     return int(rows)
 
@@ -123,10 +161,13 @@ def _after_training(
     datasets: Any, task: Any, collate: Any, work: Callable[[api.Resolved, Any, Any, Any, str], Any],
     prog: str, trust_code: bool, split: str | None, needs: Sequence[str] = tuple(OBJECT_FIELDS),
     *, pick: Callable[[Any, str], Any], own: Sequence[str],
+    own_data: Callable[[TrainingConfig], Any] | None = None,
 ) -> tuple[Any, Path, TrainingConfig, int, str]:
     """Check the command and the run's stored config (`prepare`; `own`: `command_flags`),
     load the data and pick its set (`pick`), then rebuild the trained model on every rank,
-    load its weights and call `work(run, ctx, module, picked, split)` in a process group."""
+    load its weights and call `work(run, ctx, module, picked, split)` in a process group.
+    `own_data(config)`: the data bundle to use in place of the config's own, or None to
+    load that as `fit` does."""
     from ddptrain.launch.process_group import setup_distributed, teardown_distributed
     from ddptrain.train.after import prepare
     from ddptrain.train.inference import build_model, load_weights
@@ -138,7 +179,9 @@ def _after_training(
     given = [name for name, obj in objects.items() if obj is not None]
     found, config, split = prepare(Path(source), argv, fields, prog, given, trust_code, needs,
                                    split, None if given or fields else own)
-    run = api.resolve_run(config, datasets, task, model, collate)
+    bundle = own_data(config) if own_data is not None else None
+    run = (api.resolve_run(config, datasets, task, model, collate) if bundle is None
+           else _resolve_with(config, bundle))
     picked = pick(run.data, split)
     ctx = setup_distributed(run.config, run.cluster, run.device, run.backend)
     run.startup.mark("group")
@@ -156,3 +199,28 @@ def _after_training(
     finally:
         teardown_distributed(clean)
     return result, found.weights, run.config, run.cluster.rank, split
+
+
+def _resolve_with(config: TrainingConfig, data: Any) -> api.Resolved:
+    """The launch resolved as `api.resolve_run` resolves it, over the given data bundle
+    (prompts to answer, which no training loader reads) instead of the config's data."""
+    from ddptrain.launch.cluster import read_cluster_env
+    from ddptrain.launch.process_group import resolve_backend, resolve_device
+    from ddptrain.log import setup_logging
+    from ddptrain.observe.startup import Phases
+    from ddptrain.parallel import resolve_strategy
+    from ddptrain.train import resolve_precision, resolve_task
+
+    startup = Phases()
+    startup.mark("imports")
+    cluster = read_cluster_env()
+    setup_logging(cluster.rank)
+    device = resolve_device(config, cluster.local_rank, cluster.local_world_size)
+    backend = resolve_backend(config, device) if cluster.world_size > 1 else None
+    precision = resolve_precision(config, device)
+    precision.apply()
+    strategy = resolve_strategy(config, cluster.world_size, device, cluster.local_world_size)
+    task = resolve_task(config, data.facts)
+    startup.mark("data")
+    return api.Resolved(config, cluster, device, backend, precision, strategy, data, task,
+                        startup)

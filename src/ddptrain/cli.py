@@ -19,6 +19,7 @@ other exit codes are listed in `ddptrain.errors`.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import errno
@@ -27,6 +28,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,9 +164,12 @@ def _cmd_plot(argv: list[str]) -> int:
     return 0
 
 
-def _after_args(argv: list[str], prog: str, what: str, output_help: str) -> tuple[Any, list[str]]:
+def _after_args(argv: list[str], prog: str, what: str, output_help: str,
+                more: Callable[[argparse.ArgumentParser], Any] | None = None,
+                ) -> tuple[Any, list[str]]:
     """`SOURCE [--split] [--output] [ddptrain train flags]`: the source first, then this
-    command's own flags; every other flag overrides the run's config."""
+    command's own flags (`more(parser)` adds any others); every other flag overrides the
+    run's config."""
     parser = ErrorParser(
         prog=prog,
         description=f"{what} Any `ddptrain train` flag (e.g. --dataset, --batch_size) "
@@ -191,6 +196,8 @@ def _after_args(argv: list[str], prog: str, what: str, output_help: str) -> tupl
         "--task_args) run a directory's own code (trust_remote_code), without naming them "
         "again: only for a source you trust",
     )
+    if more is not None:
+        more(parser)
     if argv and argv[0] in ("-h", "--help"):
         parser.print_help()
         return None, []
@@ -232,16 +239,26 @@ def _cmd_predict(argv: list[str]) -> int:
 
     args, rest = _after_args(
         argv, "ddptrain predict",
-        "The model's outputs for every sample of a set, one row per sample, in order.",
-        "the file to write: .npy, .pt or .jsonl (required)",
+        "The model's outputs for every sample of a set, one row per sample, in order (with "
+        "a chat:PATH dataset of prompts and a .jsonl --output: the assistant's replies).",
+        "the file to write: .npy, .pt or .jsonl (required)", more=_generation_flags,
     )
     if args is None:
         return 0
     if args.output is None:
         raise ConfigError("predict needs --output: a .npy, .pt or .jsonl file to write")
     predict(args.source, args.output, split=args.split, argv=rest,  # it logs what it wrote
-            trust_checkpoint_code=args.trust_checkpoint_code, overwrite=args.overwrite)
+            trust_checkpoint_code=args.trust_checkpoint_code, overwrite=args.overwrite,
+            max_new_tokens=args.max_new_tokens)
     return 0
+
+
+def _generation_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max_new_tokens", type=int, default=None, metavar="N",
+        help="with a chat:PATH --dataset of prompts and a .jsonl --output, each line is the "
+        "assistant's reply, generated greedily: at most N tokens of it (default 64)",
+    )
 
 
 def _cmd_doctor(argv: list[str]) -> int:

@@ -55,7 +55,7 @@ SPLITS = ("val", "train", "all")
 # How a run trained: evaluation and prediction step no optimizer and run the whole plain
 # model on every rank, whatever the layout and the number of ranks.
 _TRAINING = ("optimizer", "optimizer_args", "scheduler", "scheduler_args", "dp_replicate",
-             "tp", "pp", "pp_schedule", "pp_microbatches", "pp_split", "tp_plan",
+             "tp", "pp", "cp", "pp_schedule", "pp_microbatches", "pp_split", "tp_plan",
              "sequence_parallel", "float8", "activation_checkpointing")
 # What a run's config may say that means nothing once it has finished: evaluation starts
 # no run of its own, resumes nothing, logs to no tracker, and is none of the above.

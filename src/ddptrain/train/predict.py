@@ -27,7 +27,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -107,25 +107,38 @@ def predict_set(
     memory_format = torch.channels_last if config.channels_last else None
     call = ModelCall(module, packed=config.pack)
     module.eval()
+
+    def round_of(_: int) -> torch.Tensor | None:
+        batch = next(loader, None)
+        if batch is None:
+            return None
+        inputs = model_inputs(to_device(batch, ctx.device, memory_format))
+        with precision.autocast():
+            out = call(module, inputs)
+        return _rows(out.prediction)
+
     # Rank 0's shard is the longest (ceil(n / N) samples): every rank runs its rounds.
     rounds = math.ceil(math.ceil(n / ctx.world_size) / config.batch_size)
+    write_rounds(rounds, round_of, lambda: _writer(output, n, overwrite), output, ctx)
+    return n
+
+
+def write_rounds(rounds: int, round_of: Callable[[int], Any],
+                 writer: Callable[[], _Writer], output: Path, ctx: DistributedContext) -> None:
+    """Run `rounds` rounds on every rank, each giving this rank's next rows
+    (`round_of(k)`: a sequence, or None when the rank has none left), gathered on rank 0,
+    which writes them, back in the set's order, through `writer()`: the output appears
+    whole or not at all. Collective."""
     sink: _Writer | None = None
     failure: str | None = None
     if ctx.is_main:
         try:
-            sink = _writer(output, n, overwrite)
+            sink = writer()
         except OSError as exc:  # the peers still gather and learn it (`_agree`)
             failure = _why(exc, output)
     try:
-        for _ in range(rounds):
-            batch = next(loader, None)
-            rows = None
-            if batch is not None:
-                inputs = model_inputs(to_device(batch, ctx.device, memory_format))
-                with precision.autocast():
-                    out = call(module, inputs)
-                rows = _rows(out.prediction)
-            gathered = gather_to_main(rows, ctx)
+        for k in range(rounds):
+            gathered = gather_to_main(round_of(k), ctx)
             if sink is not None and failure is None and gathered is not None:
                 try:
                     sink.write(interleave(gathered))
@@ -142,7 +155,6 @@ def predict_set(
             sink.abort()
     if failure is not None:
         raise ConfigError(failure)
-    return n
 
 
 def model_inputs(batch: Any) -> Any:
@@ -165,7 +177,7 @@ def _rows(prediction: torch.Tensor | None) -> torch.Tensor:
     return (rows.float() if rows.is_floating_point() else rows).cpu()
 
 
-def interleave(parts: list[torch.Tensor | None]) -> list[torch.Tensor]:
+def interleave(parts: Sequence[Sequence[Any] | None]) -> list[Any]:
     """Rows of one round, back in the set's order: rank r's j-th row is sample
     (start + j) * N + r. A rank's batch is never shorter than a later rank's by more
     than the one sample its shard lacks, so the order is that of the ranks, row by row.
@@ -309,6 +321,19 @@ class _JsonlWriter(_Writer):
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+class ReplyWriter(_JsonlWriter):
+    """One JSON line per prompt: `{"index": i, "prompt": ..., "reply": "..."}`
+    (`train.generate`); rows are `(prompt, reply)` pairs."""
+
+    def write(self, rows: Sequence[Any]) -> None:
+        assert self.file is not None
+        for prompt, reply in rows:
+            self.file.write(json.dumps({"index": self.done, "prompt": prompt, "reply": reply},
+                                       ensure_ascii=False) + "\n")
+            self.done += 1
+        self.file.flush()
 
 
 def _writer(path: Path, n: int, overwrite: bool) -> _Writer:
