@@ -2,7 +2,9 @@
 # Both create .venv first. torch is installed alone and pinned before anything else, so
 # that no later requirement lets pip resolve a multi-GB CUDA build on a CPU machine.
 
-PYTHON ?= python3
+# The interpreter .venv is made from: python3, or a 3.12 where python3 is older and one is
+# installed with pyenv (scripts/python.sh says why); PYTHON=... chooses.
+PYTHON ?= $(shell scripts/python.sh)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 RUNTIME := $(VENV)/.runtime-0.5

@@ -100,11 +100,14 @@ def section(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | {f['peak_rss_mb']:.0f} | {f['step_s']:.3f} | "
                      f"{f['val_loss']:.6f} |")
     lines += [
-        "", "Activations fall with the share of each sequence a rank keeps; the weights "
-        "do not (shard them with `--strategy fsdp`, over the data-parallel and cp ranks "
-        "together). Each layer adds four all-to-alls forward and four backward (q, k, v "
-        "and the output), inside a node; on 2 CPU cores they and the smaller matrix "
-        "products cost more than they save, and the point of cp is what fits.", "",
+        "", "Both runs train the same model to the same loss (to the fp32 floor). A rank "
+        "holds as many tokens in either (4 whole sequences, or half of each of 8), so their "
+        "memory is alike; what cp changes is the longest sequence that fits: at the same "
+        "sequences a micro-step (the first table) a rank's activations fall with its share "
+        "of each, its weights do not (shard them with `--strategy fsdp`, over the "
+        "data-parallel and cp ranks together). Each layer adds four all-to-alls forward and "
+        "four backward (q, k, v and the output), inside a node; on 2 CPU cores they cost "
+        "the step a quarter more.", "",
     ]
     return "\n".join(lines)
 
