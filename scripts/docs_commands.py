@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import docs_check
+import generated_page
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "reference" / "commands.md"
@@ -134,28 +135,12 @@ def render() -> str:
 
 def write(page: Path = PAGE) -> bool:
     """Write the page when it differs; whether it changed."""
-    text = render()
-    if page.exists() and page.read_text() == text:
-        return False
-    page.parent.mkdir(parents=True, exist_ok=True)
-    page.write_text(text)
-    return True
+    return generated_page.write(page, render())
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 when the committed page differs from the generated one")
-    args = parser.parse_args(argv)
-    if args.check:
-        if not PAGE.exists() or PAGE.read_text() != render():
-            print(f"{PAGE.relative_to(ROOT)} is out of date: run python scripts/docs_commands.py")
-            return 1
-        print(f"{PAGE.relative_to(ROOT)} is up to date")
-        return 0
-    changed = write()
-    print(f"{'wrote' if changed else 'unchanged'} {PAGE.relative_to(ROOT)}")
-    return 0
+    return generated_page.main(argv, __doc__ or "", PAGE, render, "docs_commands.py",
+                               "")
 
 
 if __name__ == "__main__":

@@ -12,13 +12,16 @@ page is what this script writes.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import generated_page
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "reference" / "flags.md"
@@ -103,28 +106,12 @@ def render() -> str:
 
 def write(page: Path = PAGE) -> bool:
     """Write the page when it differs; whether it changed."""
-    text = render()
-    if page.exists() and page.read_text() == text:
-        return False
-    page.parent.mkdir(parents=True, exist_ok=True)
-    page.write_text(text)
-    return True
+    return generated_page.write(page, render())
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 when the committed page differs from the generated one")
-    args = parser.parse_args(argv)
-    if args.check:
-        if not PAGE.exists() or PAGE.read_text() != render():
-            print(f"{PAGE.relative_to(ROOT)} is out of date: run python scripts/flag_reference.py")
-            return 1
-        print(f"{PAGE.relative_to(ROOT)} is up to date ({len(rows())} fields)")
-        return 0
-    changed = write()
-    print(f"{'wrote' if changed else 'unchanged'} {PAGE.relative_to(ROOT)} ({len(rows())} fields)")
-    return 0
+    return generated_page.main(argv, __doc__ or "", PAGE, render, "flag_reference.py",
+                               f" ({len(rows())} fields)")
 
 
 if __name__ == "__main__":

@@ -207,3 +207,18 @@ def tmpfs(mount: Path, options: str) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture(scope="module")
+def tokdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A chat tokenizer's directory, built here (`chatplug.make_tokenizer`)."""
+    from chatplug import make_tokenizer
+
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokdir: Path) -> Any:
+    from ddptrain.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(f"hf:{tokdir}")

@@ -48,6 +48,29 @@ def sigkill_then_resume(
     return resumed
 
 
+def checkpoint_steps(ckpt_dir: Path) -> dict[int, Path]:
+    """The whole checkpoints in `ckpt_dir` (`.pt` files, DCP step directories) by step."""
+    return {int(p.name.split("_")[1].split(".")[0]): p for p in ckpt_dir.glob("step_*")
+            if not p.name.endswith(".tmp")}
+
+
+def sigkill_after_checkpoint(nproc: int, args: list[str], run: Path, cwd: Path,
+                             step: int) -> None:
+    """Run `args` into `run` on `nproc` ranks under torchrun until a checkpoint of `step`
+    or later is there, then SIGKILL rank 1; checked to have ended with nothing exported."""
+    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "-m",
+           "ddptrain", *args, "--output_dir", str(run), "--no-curves"]
+    proc = popen(cmd, cwd, child_env())
+    deadline = time.monotonic() + 240
+    while not any(s >= step for s in checkpoint_steps(run / "checkpoints")):
+        assert proc.poll() is None, f"ended before step {step}: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() < deadline, f"no checkpoint of step {step} in 240 s"
+        time.sleep(0.02)
+    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
+    proc.wait(timeout=120)
+    assert proc.returncode != 0 and not (run / "model.safetensors").exists()
+
+
 def rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from chatplug import CHAT, make_model, make_tokenizer, write_jsonl
 from conftest import one_error_line, run_cli
 
 from ddptrain.config import TrainingConfig
@@ -24,70 +25,9 @@ from ddptrain.data.chat import encode_row
 from ddptrain.data.pack import IGNORE, Packed, PackedStream
 from ddptrain.data.sources import load_data
 from ddptrain.data.tokenized import Documents
-from ddptrain.data.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-# the words the tests' texts use; one text the tokenizer is trained on
-CORPUS = ("hello hi how are you fine thanks what is two plus four the cat sat on a mat dog "
-          "ran be brief tell me more sure it was sunny lookup result weather")
-SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>",
-            "<|tool|>"]
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
-    "{% if m['role'] == 'assistant' %}{{ eos_token }} {% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-)
-CHAT = [
-    {"role": "system", "content": "be brief"},
-    {"role": "user", "content": "hello how are you"},
-    {"role": "assistant", "content": "fine thanks"},
-    {"role": "user", "content": "what is two plus two"},
-    {"role": "tool", "content": "lookup result four"},
-    {"role": "assistant", "content": "four"},
-]
-
-
-def make_tokenizer(directory: Path) -> Path:
-    """A word-level tokenizer of `CORPUS` with role markup and a chat template, saved as
-    `save_pretrained` saves one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([CORPUS], trainers.WordLevelTrainer(
-        special_tokens=SPECIALS))
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        unk_token="<unk>")
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(directory)
-    return directory
-
-
-def make_model(directory: Path, vocab: int) -> Path:
-    """A tiny Llama, its weights and the tokenizer in one directory (`--model hf:DIR`)."""
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-    )).save_pretrained(directory)
-    return directory
-
-
-def write_jsonl(path: Path, rows: list[Any]) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokdir: Path) -> Any:
-    return load_tokenizer(f"hf:{tokdir}")
 
 
 def _by_hand(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from chatplug import make_tokenizer, write_jsonl
 from conftest import one_error_line, run_torchrun
-from test_chat_data import make_tokenizer, write_jsonl
 
 from ddptrain.train.generate import Prompt, encode_prompt, greedy, stop_ids
 
@@ -42,13 +42,6 @@ def _llama(directory: Path, vocab: int, hidden: int = 32, seed: int = 0) -> Path
 def _chat(user: str, reply: str | None = None) -> dict[str, Any]:
     turns = [{"role": "user", "content": user}]
     return {"messages": turns + ([{"role": "assistant", "content": reply}] if reply else [])}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from ddptrain.data.tokenizer import load_tokenizer
-
-    return load_tokenizer(f"hf:{make_tokenizer(tmp_path_factory.mktemp('tok'))}")
 
 
 class Scripted(torch.nn.Module):

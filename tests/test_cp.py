@@ -5,16 +5,14 @@ a killed cp run resumes bitwise, and its step resumes without cp."""
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BIN, child_env, run_cli, run_torchrun
-from procs import assert_bitwise, popen, weights, worker_pids
+from conftest import run_cli, run_torchrun
+from procs import assert_bitwise, checkpoint_steps, sigkill_after_checkpoint, weights
 from thread_ranks import threaded_ranks
 from torch.nn import functional as F
 
@@ -206,23 +204,6 @@ def test_cp_composes_with_every_layout_on_four_ranks(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- kill and resume
-def _steps(ckpt_dir: Path) -> dict[int, Path]:
-    return {int(p.name.split("_")[1].split(".")[0]): p for p in ckpt_dir.glob("step_*")
-            if not p.name.endswith(".tmp")}
-
-
-def _wait_for_step(ckpt_dir: Path, step: int, proc: Any) -> None:
-    import time
-
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if step in _steps(ckpt_dir):
-            return
-        assert proc.poll() is None, f"ended before step {step}: {proc.stderr.read()[-2000:]}"
-        time.sleep(0.02)
-    raise AssertionError(f"no checkpoint of step {step} in 240 s")
-
-
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_a_killed_cp_run_resumes_bitwise_and_its_step_resumes_without_cp(
@@ -240,19 +221,13 @@ def test_a_killed_cp_run_resumes_bitwise_and_its_step_resumes_without_cp(
     done = run_torchrun(2, [*job, "--cp", "2", "--output_dir", str(reference)], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "run"
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "ddptrain",
-           *job, "--cp", "2", "--output_dir", str(run), "--no-curves"]
-    proc = popen(cmd, tmp_path, child_env())
-    _wait_for_step(run / "checkpoints", 30, proc)
-    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
-    proc.wait(timeout=120)
-    assert proc.returncode != 0 and not (run / "model.safetensors").exists()
+    sigkill_after_checkpoint(2, [*job, "--cp", "2"], run, tmp_path, 30)
     resumed = run_torchrun(2, [*job, "--cp", "2", "--output_dir", str(run),
                                "--resume_from", "auto"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bitwise(weights(run), weights(reference))
 
-    step = _steps(reference / "checkpoints")[20]
+    step = checkpoint_steps(reference / "checkpoints")[20]
     alone = run_cli([*job, "--output_dir", str(tmp_path / "alone"), "--resume_from",
                      str(step)], tmp_path, timeout=600)
     assert alone.returncode == 0, alone.stderr[-3000:]

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, child_env, one_error_line, run_torchrun
-from procs import assert_bitwise, popen, weights, worker_pids
+from conftest import one_error_line, run_torchrun
+from procs import assert_bitwise, sigkill_after_checkpoint, weights
 
 from ddptrain.launch.autolayout import choose
 
@@ -67,31 +63,12 @@ def test_layout_auto_on_four_ranks_drops_what_does_not_fit_and_resumes_bitwise(
     assert chosen["batch_size"] * chosen["grad_accum_steps"] * 4 // chosen["tp"] == 16
 
     run = tmp_path / "run"
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=4", "-m", "ddptrain",
-           *job, "--output_dir", str(run), "--no-curves"]
-    proc = popen(cmd, tmp_path, child_env())
-    _wait_for_checkpoint(run / "checkpoints", 20, proc)
-    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
-    proc.wait(timeout=120)
-    assert proc.returncode != 0 and not (run / "model.safetensors").exists()
+    sigkill_after_checkpoint(4, job, run, tmp_path, 20)
     resumed = run_torchrun(4, [*job, "--output_dir", str(run), "--resume_from", "auto"],
                            cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "layout auto: kept from the run's config.yaml" in resumed.stdout + resumed.stderr
     assert_bitwise(weights(run), weights(reference))
-
-
-def _wait_for_checkpoint(ckpt_dir: Path, step: int, proc: subprocess.Popen[str]) -> None:
-    """Until a checkpoint (a file or a DCP directory) of `step` or later is there."""
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        steps = [int(p.name.split("_")[1].split(".")[0]) for p in ckpt_dir.glob("step_*")
-                 if not p.name.endswith(".tmp")]
-        if steps and max(steps) >= step:
-            return
-        assert proc.poll() is None, f"finished before step {step}: {proc.stderr.read()[-2000:]}"
-        time.sleep(0.02)
-    raise AssertionError(f"no checkpoint at step {step} in 240 s")
 
 
 @pytest.mark.parametrize(("extra", "message"), [

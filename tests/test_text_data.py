@@ -14,14 +14,12 @@ from typing import Any
 import pytest
 import torch
 from conftest import one_error_line
-from test_chat_data import make_tokenizer
 
 from ddptrain.config import TrainingConfig
 from ddptrain.data.pack import IGNORE
 from ddptrain.data.rowfiles import Rows, files_of
 from ddptrain.data.sources import load_data, split_indices
 from ddptrain.data.tokenized import texts, token_stream
-from ddptrain.data.tokenizer import load_tokenizer
 
 pytest.importorskip("transformers")
 
@@ -30,16 +28,6 @@ SHARDS = [
     ["hello how are you", "fine thanks", "it was sunny"],
     ["what is two plus four"],
 ]
-
-
-@pytest.fixture(scope="module")
-def tokdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokdir: Path) -> Any:
-    return load_tokenizer(f"hf:{tokdir}")
 
 
 def write_shards(directory: Path, field: str = "text") -> Path:
@@ -154,7 +142,7 @@ def _windows_of(data: Any) -> list[dict[str, torch.Tensor]]:
 def test_tokenize_stores_the_token_stream_a_run_would_make_and_refuses_it_damaged(
     tmp_path: Path, tokdir: Path, kind: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from test_chat_data import CHAT, write_jsonl
+    from chatplug import CHAT, write_jsonl
 
     from ddptrain.cli import main
 
