@@ -80,7 +80,6 @@ class ContextParallel:
         self._positions, self._mask = given, None
         n = t // self.size
         cut = slice(self.rank * n, (self.rank + 1) * n)
-        whole = given if given is not None else torch.arange(t, device=ids.device).expand(b, t)
         if targets is not None and self.shift:  # position t predicts label t + 1
             pad = torch.full_like(targets[:, :1], IGNORE)
             targets = torch.cat([targets[:, 1:], pad], dim=1)
@@ -88,7 +87,9 @@ class ContextParallel:
         if not isinstance(inputs, dict):  # the model counts positions (`positions`)
             return ids[:, cut], targets
         out = {k: v for k, v in inputs.items() if k not in ("labels", "attention_mask")}
-        out["input_ids"], out["position_ids"] = ids[:, cut], whole[:, cut]
+        out["input_ids"] = ids[:, cut]
+        out["position_ids"] = (given[:, cut] if given is not None
+                               else self.positions(n, ids.device).expand(b, n))
         return out, targets
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
